@@ -1,0 +1,68 @@
+# The two commands a reader needs are `make book` and `make test`; both set everything up.
+# On an offline GPU runner: `make gpu-test WHEELHOUSE=dir` (see book/setup.md).
+
+PYTHON     ?= python3
+VENV       ?= .venv
+NB         ?= $(sort $(wildcard notebooks/*.ipynb))
+WHEELHOUSE ?=
+WHEELHOUSE_PYTHON ?= 3.12
+
+ifneq ($(strip $(WHEELHOUSE)),)
+# Offline runner: use its python3 and its torch; notebook tooling comes from the wheelhouse.
+PY    := $(PYTHON)
+SETUP := .nbdeps/.installed
+export PYTHONPATH := $(CURDIR)/.nbdeps:$(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))
+else
+PY    := $(VENV)/bin/python
+SETUP := $(VENV)/.installed
+endif
+
+NBVAL = $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env
+JB    = $(VENV)/bin/jupyter-book
+
+.PHONY: book serve test gpu-test execute wheelhouse clean
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q -r requirements.txt
+	$(VENV)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+.nbdeps/.installed: $(wildcard $(WHEELHOUSE)/*.whl)
+	rm -rf .nbdeps
+	$(PY) -m pip install -q --no-index --no-deps --no-compile --target .nbdeps $(WHEELHOUSE)/*.whl
+	touch $@
+
+book: $(VENV)/.installed
+	$(JB) build . --warningiserror --keep-going
+	@echo "book: file://$(CURDIR)/_build/html/index.html"
+
+serve: book
+	$(PY) -m http.server --directory _build/html 8000
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check src tests
+	$(PY) -m pytest -q tests
+	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
+	$(PY) -m tutorial_utils.nbtools check $(NB)
+	$(JB) build . --all --warningiserror --keep-going
+
+gpu-test: $(SETUP)
+	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
+	$(PY) -m pytest -q -p no:cacheprovider tests
+	TUTORIAL_PROFILE=full $(NBVAL) --nbval-cell-timeout=1800 $(NB)
+
+execute: $(SETUP)
+	$(PY) -m tutorial_utils.nbtools execute $(if $(FORCE),--force) $(NB)
+
+wheelhouse:
+	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(WHEELHOUSE_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d $(or $(WHEELHOUSE),.wheelhouse) -r requirements-notebook.txt
+	# `from myst_nb import glue` imports myst_nb alone: its wheel without the Sphinx stack.
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(or $(WHEELHOUSE),.wheelhouse) \
+	  $$(grep -E '^myst-nb==' requirements.txt)
+	@echo "wheelhouse: $$(ls $(or $(WHEELHOUSE),.wheelhouse) | wc -l) wheels in $(or $(WHEELHOUSE),.wheelhouse)"
+
+clean:
+	rm -rf _build .nbdeps .pytest_cache

@@ -1,0 +1,179 @@
+"""Execute the book's notebooks in place, stamp them, and check that stored outputs are fresh.
+
+``python -m tutorial_utils.nbtools execute NB...``
+    Runs each notebook top to bottom in a fresh kernel and stores its outputs together with
+    ``metadata.tutorial_utils``: the environment stamp, the size profile, a hash of the code
+    cells and a hash of every ``tutorial_utils`` module the kernel had imported. Refuses to
+    replace outputs made on a GPU with a run on a machine without one, unless ``--force``.
+
+``python -m tutorial_utils.nbtools check NB...``
+    Fails (exit 1), naming the notebook and what changed, when a notebook's code cells or the
+    package modules it used differ from what its stored outputs were made with, or when its
+    outputs were not made on a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import nbformat
+
+METADATA_KEY = "tutorial_utils"
+PACKAGE_ROOT = Path(__file__).resolve().parent
+
+# Run in the kernel after the last cell: which package modules did the notebook use, and on what.
+_PROBE = """\
+import json as _json, sys as _sys
+from tutorial_utils.profiles import current_profile as _profile
+from tutorial_utils.stamp import environment_stamp as _stamp
+print(_json.dumps({
+    "modules": sorted(m for m in _sys.modules if m.split(".")[0] == "tutorial_utils"),
+    "profile": _profile(),
+    "stamp": _stamp().as_dict(),
+}))
+"""
+
+
+class RefusedError(RuntimeError):
+    """The executor will not overwrite GPU outputs with a CPU run."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    notebook: Path
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.notebook}: {self.problem}"
+
+
+def code_hash(nb: nbformat.NotebookNode) -> str:
+    h = hashlib.sha256()
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            h.update(cell.source.encode())
+            h.update(b"\0")
+    return h.hexdigest()
+
+
+def module_file(module: str, package_root: Path) -> Path:
+    """Source file of a ``tutorial_utils[.sub...]`` module inside ``package_root``."""
+    parts = module.split(".")[1:]
+    base = package_root.joinpath(*parts)
+    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+
+
+def module_hashes(modules: list[str], package_root: Path) -> dict[str, str]:
+    out = {}
+    for m in modules:
+        f = module_file(m, package_root)
+        out[m] = hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else "missing"
+    return out
+
+
+def _run_probe_last(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> dict:
+    from nbclient import NotebookClient
+
+    nb.cells.append(nbformat.v4.new_code_cell(_PROBE))
+    try:
+        client = NotebookClient(
+            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+        )
+        client.execute()
+        probe = nb.cells[-1]
+        text = "".join(o.get("text", "") for o in probe.outputs if o.output_type == "stream")
+        return json.loads(text.strip().splitlines()[-1])
+    finally:
+        nb.cells.pop()
+
+
+def execute_notebook(
+    path: Path, *, force: bool = False, timeout: int = 1800, package_root: Path = PACKAGE_ROOT
+) -> dict:
+    """Execute ``path`` in place and stamp it; return the metadata written."""
+    from .devices import gpu_count
+
+    nb = nbformat.read(path, as_version=4)
+    previous = nb.metadata.get(METADATA_KEY, {})
+    if previous.get("stamp", {}).get("gpu_count", 0) > 0 and gpu_count() == 0 and not force:
+        raise RefusedError(
+            f"{path} holds outputs from a GPU run ({previous['stamp']['gpu_names'][0]}); "
+            "this machine has no GPU. Run on a GPU machine, or pass --force (make execute FORCE=1)"
+        )
+    probe = _run_probe_last(nb, path.parent, timeout)
+    meta = {
+        "code_sha256": code_hash(nb),
+        "package_modules": module_hashes(probe["modules"], package_root),
+        "profile": probe["profile"],
+        "stamp": probe["stamp"],
+    }
+    nb.metadata[METADATA_KEY] = meta
+    nbformat.write(nb, path)
+    return meta
+
+
+def check_notebook(
+    path: Path, *, allow_cpu: bool = False, package_root: Path = PACKAGE_ROOT
+) -> list[Finding]:
+    """Everything that makes the stored outputs of ``path`` stale (empty when fresh)."""
+    nb = nbformat.read(path, as_version=4)
+    meta = nb.metadata.get(METADATA_KEY)
+    if not meta:
+        return [Finding(path, "has never been executed by `make execute`")]
+    findings = []
+    if meta.get("code_sha256") != code_hash(nb):
+        findings.append(Finding(path, "code cells changed since its outputs were made"))
+    recorded = meta.get("package_modules", {})
+    now = module_hashes(list(recorded), package_root)
+    changed = [m for m, h in now.items() if recorded[m] != h]
+    if changed:
+        findings.append(Finding(path, f"package modules it uses changed: {', '.join(changed)}"))
+    if not allow_cpu and meta.get("stamp", {}).get("gpu_count", 0) == 0:
+        findings.append(Finding(path, "its outputs come from a run without a GPU"))
+    return findings
+
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tutorial_utils.nbtools", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("execute", help="execute notebooks in place and stamp them")
+    ex.add_argument("notebooks", nargs="+", type=Path)
+    ex.add_argument("--force", action="store_true", help="allow a CPU run to replace GPU outputs")
+    ex.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    ck = sub.add_parser("check", help="fail if stored outputs are stale")
+    ck.add_argument("notebooks", nargs="+", type=Path)
+    ck.add_argument("--allow-cpu", action="store_true", help="accept outputs from a CPU run")
+    args = parser.parse_args(argv)
+
+    if args.command == "execute":
+        for path in args.notebooks:
+            print(f"executing {path} ...", flush=True)
+            try:
+                meta = execute_notebook(path, force=args.force, timeout=args.timeout)
+            except RefusedError as err:
+                print(f"refused: {err}", file=sys.stderr)
+                return 2
+            hw = meta["stamp"]["gpu_count"], meta["stamp"]["gpu_names"]
+            print(f"  done: profile={meta['profile']} gpus={hw[0]} {sorted(set(hw[1]))}")
+        return 0
+
+    findings = [f for p in args.notebooks for f in check_notebook(p, allow_cpu=args.allow_cpu)]
+    for f in findings:
+        print(f"stale: {f}", file=sys.stderr)
+    if findings:
+        stale = sorted({str(f.notebook) for f in findings})
+        fix = f"make execute NB=\"{' '.join(stale)}\""
+        print(f"re-execute on a GPU machine: {fix}", file=sys.stderr)
+        return 1
+    print(f"{len(args.notebooks)} notebook(s) fresh")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,51 @@
+import torch
+
+from tutorial_utils.speed import (
+    LADDER,
+    LadderSize,
+    host_to_device_gbps,
+    ladder_table,
+    make_train_step,
+    measure_ladder,
+    step_tflop,
+    tf32_enabled,
+)
+
+TINY = LadderSize("wrn-10-1", batch=2, warmup=0, repeats=1)
+CPU = torch.device("cpu")
+
+
+def test_tf32_context_restores_settings():
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    with tf32_enabled(not before[1]):
+        assert torch.backends.cudnn.allow_tf32 is (not before[1])
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == before
+
+
+def test_train_step_trains():
+    step = make_train_step(LADDER[3], TINY, CPU)  # bf16 autocast + channels_last
+    assert step.x.is_contiguous(memory_format=torch.channels_last)
+    before = step.loss()
+    for _ in range(3):
+        step()
+    assert step.loss() < before
+
+
+def test_ladder_on_cpu_measures_all_but_the_gpu_only_rung():
+    results = measure_ladder(TINY, CPU, rungs=LADDER[:4])
+    assert [r.rung.name for r in results] == [r.name for r in LADDER[:4]]
+    skipped = [r for r in results if r.timing is None]
+    assert [r.rung.name for r in skipped] == ["tf32"] and "GPU" in skipped[0].skipped
+    assert all(r.images_per_s > 0 for r in results if r.timing)
+    table = ladder_table(results)
+    assert "skipped" in table and "1.00x" in table
+
+
+def test_flop_count_scales_with_batch():
+    one = step_tflop(LadderSize("wrn-10-1", 1, 0, 1), CPU)
+    four = step_tflop(LadderSize("wrn-10-1", 4, 0, 1), CPU)
+    assert one > 0 and abs(four / one - 4) < 0.01
+
+
+def test_copy_bandwidth_is_skipped_without_gpu():
+    assert host_to_device_gbps(1024, CPU, pinned=False) is None

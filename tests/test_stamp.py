@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from tutorial_utils import stamp as stamp_mod
+from tutorial_utils.stamp import environment_stamp
+
+
+def test_stamp_describes_this_process():
+    s = environment_stamp()
+    assert s.torch == torch.__version__
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert s.gpu_count == n == len(s.gpu_names) == len(s.gpu_memory_gib)
+    assert s.date_utc[:2] == "20" and s.git_commit
+    assert s.as_dict()["torch"] == torch.__version__
+
+
+def test_markdown_and_text_show_the_hardware():
+    s = environment_stamp()
+    assert s.hardware in s._repr_markdown_() and s.hardware in repr(s)
+    if s.gpu_count == 0:
+        assert s.hardware.startswith("CPU only") and not s.is_gpu
+
+
+def test_git_commit_falls_back_to_environment(monkeypatch):
+    monkeypatch.setattr(stamp_mod, "_run", lambda *a, **k: None)
+    monkeypatch.setenv("TUTORIAL_GIT_COMMIT", "abc123")
+    assert stamp_mod._git_commit() == "abc123"
+
+
+@pytest.mark.gpu
+def test_gpu_stamp_names_the_gpu_and_driver():
+    s = environment_stamp()
+    assert s.is_gpu and s.gpu_names[0] and s.driver != "-"
+    assert s.hardware.startswith(f"{s.gpu_count} x ")
