@@ -59,9 +59,9 @@ wheelhouse:
 	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(WHEELHOUSE_PYTHON) \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 -d $(or $(WHEELHOUSE),.wheelhouse) -r requirements-notebook.txt
-	# `from myst_nb import glue` imports myst_nb alone: its wheel without the Sphinx stack.
+	# `from myst_nb import glue` needs myst_nb and docutils, not the rest of the Sphinx stack.
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(or $(WHEELHOUSE),.wheelhouse) \
-	  $$(grep -E '^myst-nb==' requirements.txt)
+	  $$(grep -E '^(myst-nb|docutils)==' requirements.txt)
 	@echo "wheelhouse: $$(ls $(or $(WHEELHOUSE),.wheelhouse) | wc -l) wheels in $(or $(WHEELHOUSE),.wheelhouse)"
 
 clean:

@@ -23,7 +23,7 @@ def package_copy(tmp_path):
 @pytest.fixture
 def notebook(tmp_path):
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
     nb.cells = [
         nbformat.v4.new_markdown_cell("# a chapter"),
         nbformat.v4.new_code_cell("from tutorial_utils.toy import toy_output_shape\n"
