@@ -36,9 +36,16 @@ def test_ladder_on_cpu_measures_all_but_the_gpu_only_rung():
     assert [r.rung.name for r in results] == [r.name for r in LADDER[:4]]
     skipped = [r for r in results if r.timing is None]
     assert [r.rung.name for r in skipped] == ["tf32"] and "GPU" in skipped[0].skipped
-    assert all(r.images_per_s > 0 for r in results if r.timing)
+    assert all(r.images_per_s > 0 and r.host_ms > 0 for r in results if r.timing)
     table = ladder_table(results)
     assert "skipped" in table and "1.00x" in table
+
+
+def test_cuda_graph_rung_is_gpu_only_and_says_why():
+    graphs = LADDER[-1]
+    assert graphs.compile_mode == "reduce-overhead"
+    (result,) = measure_ladder(TINY, CPU, rungs=(graphs,))
+    assert result.timing is None and "CUDA graphs" in result.skipped
 
 
 def test_flop_count_scales_with_batch():

@@ -2,7 +2,9 @@
 
 The ladder times one full training step (forward, loss, backward, SGD update) of a
 Wide-ResNet, adding one optimisation per rung: TF32 matmuls/convs, bf16 autocast,
-channels_last memory format, torch.compile.
+channels_last memory format, torch.compile, and CUDA graphs. Each rung also records how long
+the host takes just to *queue* a step: when that approaches the step time, the GPU is waiting
+for Python and only fewer launches (fusion, CUDA graphs) make it faster.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .models import wide_resnet
-from .timing import Timing, benchmark, cold_call_ms
+from .timing import Timing, benchmark, cold_call_ms, host_clock_without_sync, synchronize
 
 
 @dataclass(frozen=True)
@@ -25,16 +27,24 @@ class Rung:
     tf32: bool = False
     bf16: bool = False
     channels_last: bool = False
-    compile: bool = False
-    gpu_only: bool = False  # measures nothing new without a GPU
+    compile_mode: str | None = None  # a torch.compile mode; None runs eagerly
+    gpu_only: str | None = None  # why the rung measures nothing new without a GPU
 
 
 LADDER: tuple[Rung, ...] = (
     Rung("fp32"),
-    Rung("tf32", tf32=True, gpu_only=True),
+    Rung("tf32", tf32=True, gpu_only="TF32 is a GPU tensor-core format; a CPU computes FP32"),
     Rung("bf16 autocast", tf32=True, bf16=True),
     Rung("+ channels_last", tf32=True, bf16=True, channels_last=True),
-    Rung("+ torch.compile", tf32=True, bf16=True, channels_last=True, compile=True),
+    Rung("+ torch.compile", tf32=True, bf16=True, channels_last=True, compile_mode="default"),
+    Rung(
+        "+ CUDA graphs",
+        tf32=True,
+        bf16=True,
+        channels_last=True,
+        compile_mode="reduce-overhead",
+        gpu_only="CUDA graphs record GPU kernel launches; a CPU has none to record",
+    ),
 )
 
 
@@ -52,6 +62,7 @@ class RungResult:
     timing: Timing | None
     batch: int
     first_step_ms: float | None = None
+    host_ms: float | None = None  # time for the host to queue one step (no synchronisation)
     skipped: str | None = None
 
     @property
@@ -76,7 +87,7 @@ def tf32_enabled(enabled: bool) -> Iterator[None]:
 def skip_reason(rung: Rung, device: torch.device) -> str | None:
     """Why a rung is not measured on this device, or None."""
     if device.type != "cuda" and rung.gpu_only:
-        return "TF32 is a GPU tensor-core format; a CPU computes in FP32 either way"
+        return rung.gpu_only
     return None
 
 
@@ -112,7 +123,7 @@ def make_train_step(rung: Rung, size: LadderSize, device: torch.device) -> Train
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     x = torch.randn(size.batch, 3, 32, 32, device=device).to(memory_format=memory_format)
     y = torch.randint(0, 10, (size.batch,), device=device)
-    forward = torch.compile(model) if rung.compile else model
+    forward = torch.compile(model, mode=rung.compile_mode) if rung.compile_mode else model
     return TrainStep(model, forward, optimizer, x, y, rung.bf16)
 
 
@@ -124,7 +135,9 @@ def measure_rung(rung: Rung, size: LadderSize, device: torch.device) -> RungResu
         step = make_train_step(rung, size, device)
         first = cold_call_ms(step, device)  # includes cuDNN autotuning and any compilation
         timing = benchmark(step, warmup=size.warmup, repeats=size.repeats, device=device)
-    return RungResult(rung, timing, size.batch, first_step_ms=first)
+        host = host_clock_without_sync(step, repeats=3)
+        synchronize(device)
+    return RungResult(rung, timing, size.batch, first_step_ms=first, host_ms=host.median_ms)
 
 
 def measure_ladder(
@@ -154,9 +167,10 @@ def host_to_device_gbps(
 
 
 def ladder_table(results: list[RungResult]) -> str:
-    """A plain-text table: rung, median step time, spread, images/s, speed-up over the first."""
+    """Rung, median step time and spread, host queueing time, images/s, speed-up over rung 1."""
     base = results[0].timing.median_ms if results[0].timing else None
-    lines = [f"{'rung':<18}{'step (ms)':>11}{'IQR':>7}{'images/s':>10}{'speed-up':>10}"]
+    header = f"{'rung':<18}{'step (ms)':>11}{'IQR':>7}{'queue (ms)':>12}{'images/s':>10}"
+    lines = [header + f"{'speed-up':>10}"]
     for r in results:
         if r.timing is None:
             lines.append(f"{r.rung.name:<18}  skipped: {r.skipped}")
@@ -164,7 +178,7 @@ def ladder_table(results: list[RungResult]) -> str:
         speedup = f"{base / r.timing.median_ms:.2f}x" if base else "-"
         lines.append(
             f"{r.rung.name:<18}{r.timing.median_ms:>11.2f}{r.timing.spread:>7.1%}"
-            f"{r.images_per_s:>10.0f}{speedup:>10}"
+            f"{r.host_ms:>12.2f}{r.images_per_s:>10.0f}{speedup:>10}"
         )
     return "\n".join(lines)
 
