@@ -1,0 +1,1 @@
+"""Parallel training strategies, each a hand-written mechanism beside the PyTorch wrapper."""

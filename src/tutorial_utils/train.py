@@ -1,0 +1,300 @@
+"""Train a Wide-ResNet on CIFAR-10: one entry point for the CPU, one GPU, or N under torchrun.
+
+    python -m tutorial_utils.train --epochs 10 --data cifar10-jpeg.tar.gz
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.train --epochs 10 ...
+
+Rank 0 writes one JSON line per epoch to ``<out>/metrics.jsonl`` (after a first line with the
+configuration and the environment stamp) and a checkpoint to ``<out>/checkpoint.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .config import ConfigError, parse, to_dict
+from .data import Cifar10, DataError, DeviceLoader, dataloader, load_cifar10, normalize
+from .devices import NotEnoughGPUsError
+from .models import WideResNet
+from .parallel.distributed import DistContext, all_reduce_sum, distributed
+from .timing import synchronize
+
+REFERENCE_BATCH = 128  # the batch the base learning rate is given for
+
+
+def opt(default, help: str):  # noqa: A002 - mirrors argparse
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    depth: int = opt(28, "WRN depth, 6n+4")
+    width: int = opt(10, "WRN width factor k")
+    dropout: float = opt(0.0, "dropout between the convolutions of a block")
+    epochs: int = opt(10, "epochs to train")
+    batch: int = opt(128, "global batch (strong scaling) or per-GPU batch (weak scaling)")
+    scaling: Literal["strong", "weak"] = opt("strong", "how --batch is shared by the processes")
+    lr: float = opt(0.1, f"learning rate at a global batch of {REFERENCE_BATCH}, scaled linearly")
+    schedule: Literal["warmup-linear", "step"] = opt(
+        "warmup-linear", "short runs: linear warm-up then linear decay; step: the paper's x0.2 "
+        "at 30/60/80 %% of the epochs")
+    warmup_epochs: float = opt(1.0, "warm-up length for warmup-linear")
+    weight_decay: float = opt(5e-4, "L2 weight decay")
+    momentum: float = opt(0.9, "SGD momentum")
+    nesterov: bool = opt(True, "Nesterov momentum")
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
+    bf16: bool = opt(True, "bf16 autocast")
+    channels_last: bool = opt(True, "channels_last memory format")
+    compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
+    loader: Literal["device", "dataloader"] = opt(
+        "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
+    workers: int = opt(4, "DataLoader worker processes per rank")
+    data: str = opt("auto", "auto, torchvision, synthetic, or an image-folder tree / tarball")
+    data_dir: Path = opt(Path("data"), "torchvision-layout CIFAR-10 folder (download target)")
+    download: bool = opt(True, "download CIFAR-10 into --data-dir if it is missing")
+    limit_per_class: int | None = opt(None, "image folders: use only N images per class")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    out: Path = opt(Path("runs/wrn"), "output folder: metrics.jsonl, checkpoint.pt")
+    checkpoint_every: int = opt(1, "epochs between checkpoints (0: never)")
+    resume: bool = opt(False, "continue from <out>/checkpoint.pt")
+    seed: int = opt(0, "seed for initialisation, data order and augmentation")
+
+    def __post_init__(self) -> None:
+        if self.depth < 10 or (self.depth - 4) % 6:
+            raise ConfigError(f"--depth must be 6n+4 (10, 16, 22, 28, 40, ...), got {self.depth}")
+        checks = [
+            (self.width >= 1, f"--width must be >= 1, got {self.width}"),
+            (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
+            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
+            (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+
+    def batches(self, world_size: int) -> tuple[int, int]:
+        """(per-process batch, global batch) for ``world_size`` processes."""
+        if self.scaling == "weak":
+            return self.batch, self.batch * world_size
+        if self.batch % world_size:
+            raise ConfigError(
+                f"global --batch {self.batch} is not divisible by {world_size} processes; "
+                f"use a multiple of {world_size}, or --scaling weak"
+            )
+        return self.batch // world_size, self.batch
+
+    def peak_lr(self, world_size: int) -> float:
+        return self.lr * self.batches(world_size)[1] / REFERENCE_BATCH
+
+
+def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
+    """Multiplier of the peak learning rate at optimizer step ``step``."""
+    epoch = step / steps_per_epoch
+    if cfg.schedule == "step":
+        return 0.2 ** sum(epoch >= f * cfg.epochs for f in (0.3, 0.6, 0.8))
+    warmup = max(cfg.warmup_epochs, 1e-9)
+    if epoch < warmup:
+        return (epoch + 1 / steps_per_epoch) / warmup
+    return max(0.0, (cfg.epochs - epoch) / max(cfg.epochs - warmup, 1e-9))
+
+
+@dataclass
+class Trainer:
+    cfg: TrainConfig
+    ctx: DistContext
+    data: Cifar10
+    model: torch.nn.Module = field(init=False)
+    start_epoch: int = 0
+
+    def __post_init__(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        self.per_gpu, self.global_batch = cfg.batches(ctx.world_size)
+        torch.manual_seed(cfg.seed)
+        fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout).to(ctx.device,
+                                                                              memory_format=fmt)
+        model = self.net
+        if ctx.is_distributed:
+            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+        self.model = model if cfg.compile == "none" else torch.compile(model, mode=cfg.compile)
+        self.train_loader = self._train_loader()
+        self.steps_per_epoch = len(self.train_loader)
+        self.optimizer = torch.optim.SGD(
+            self.net.parameters(), lr=cfg.peak_lr(ctx.world_size), momentum=cfg.momentum,
+            nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(cfg, s, self.steps_per_epoch))
+        self.test_loader = DeviceLoader(self.data.test_x, self.data.test_y, 500,
+                                        device=ctx.device, rank=ctx.rank,
+                                        world_size=ctx.world_size, train=False,
+                                        channels_last=cfg.channels_last)
+
+    def _train_loader(self):
+        cfg, ctx, d = self.cfg, self.ctx, self.data
+        if cfg.loader == "device":
+            return DeviceLoader(d.train_x, d.train_y, self.per_gpu, device=ctx.device,
+                                rank=ctx.rank, world_size=ctx.world_size, seed=cfg.seed,
+                                channels_last=cfg.channels_last)
+        return dataloader(d.train_x, d.train_y, self.per_gpu, rank=ctx.rank,
+                          world_size=ctx.world_size, seed=cfg.seed, workers=cfg.workers,
+                          pin_memory=ctx.device.type == "cuda")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.cfg.out / "checkpoint.pt"
+
+    def save(self, epoch: int) -> None:
+        save_checkpoint(self.checkpoint_path, {
+            "model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(), "rng": rng_state(self.ctx.device),
+            "epoch": epoch, "config": to_dict(self.cfg), "world_size": self.ctx.world_size,
+        })
+
+    def restore(self) -> None:
+        keys = ("depth", "width", "batch", "scaling", "seed", "epochs", "schedule")
+        state = load_checkpoint(self.checkpoint_path, {k: getattr(self.cfg, k) for k in keys})
+        self.net.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"], self.ctx.device)
+        self.start_epoch = state["epoch"] + 1
+
+    def train_one_epoch(self, epoch: int) -> dict[str, float]:
+        cfg, dev = self.cfg, self.ctx.device
+        self.model.train()
+        loader = self.train_loader
+        (loader.set_epoch if cfg.loader == "device" else loader.sampler.set_epoch)(epoch)
+        loss_sum = torch.zeros((), device=dev)
+        correct = torch.zeros((), device=dev, dtype=torch.long)
+        seen = 0
+        synchronize(dev)
+        t0 = time.perf_counter()
+        for x, y in _progress(loader, self.ctx, epoch, cfg.epochs):
+            if x.dtype == torch.uint8:  # DataLoader batches arrive as bytes on the host
+                x = normalize(x.to(dev, non_blocking=True), cfg.channels_last)
+                y = y.to(dev, non_blocking=True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+                out = self.model(x)
+                loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            # Accumulate on the device: a .item() per step would stall the GPU queue.
+            loss_sum += loss.detach() * len(y)
+            correct += (out.argmax(1) == y).sum()
+            seen += len(y)
+        synchronize(dev)
+        seconds = time.perf_counter() - t0
+        loss_total, correct_total, n = all_reduce_sum(self.ctx, loss_sum.item(),
+                                                      correct.item(), seen)
+        return {"epoch_time_s": seconds, "images_per_s": n / seconds,
+                "train_loss": loss_total / n, "train_acc": correct_total / n}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        correct = torch.zeros((), device=self.ctx.device, dtype=torch.long)
+        seen = 0
+        for x, y in self.test_loader:
+            with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+                correct += (self.model(x).argmax(1) == y).sum()
+            seen += len(y)
+        total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
+        return total_correct / n
+
+
+def _progress(loader, ctx: DistContext, epoch: int, epochs: int):
+    if not ctx.is_main or not sys.stderr.isatty():
+        return loader
+    from tqdm import tqdm
+
+    return tqdm(loader, desc=f"epoch {epoch + 1}/{epochs}", leave=False, file=sys.stderr)
+
+
+def _load_data(cfg: TrainConfig, ctx: DistContext) -> Cifar10:
+    def load() -> Cifar10:
+        return load_cifar10(cfg.data, cfg.data_dir, cfg.download,
+                            limit_per_class=cfg.limit_per_class)
+
+    if ctx.is_main:  # decode/download once; the others then read the cache
+        data = load()
+    ctx.barrier()
+    return data if ctx.is_main else load()
+
+
+def _log(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
+    """Train; return the per-epoch records (rank 0 also writes them to metrics.jsonl)."""
+    from .stamp import environment_stamp
+
+    if ctx.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest kernels once
+        torch.backends.cuda.matmul.allow_tf32 = True
+    data = _load_data(cfg, ctx)
+    trainer = Trainer(cfg, ctx, data)
+    if cfg.resume and trainer.checkpoint_path.exists():
+        trainer.restore()
+    metrics = cfg.out / "metrics.jsonl"
+    if ctx.is_main:
+        cfg.out.mkdir(parents=True, exist_ok=True)
+        if trainer.start_epoch == 0:
+            metrics.unlink(missing_ok=True)
+        _log(metrics, {
+            "event": "start", "config": to_dict(cfg), "data": data.name,
+            "synthetic_data": data.synthetic, "world_size": ctx.world_size,
+            "per_gpu_batch": trainer.per_gpu, "global_batch": trainer.global_batch,
+            "peak_lr": cfg.peak_lr(ctx.world_size), "start_epoch": trainer.start_epoch,
+            "stamp": environment_stamp().as_dict(),
+        })
+        if data.synthetic:
+            print(f"WARNING: training on {data.name} data, not CIFAR-10", file=sys.stderr)
+    records = []
+    for epoch in range(trainer.start_epoch, cfg.epochs):
+        record = {"event": "epoch", "epoch": epoch + 1, **trainer.train_one_epoch(epoch),
+                  "test_acc": trainer.evaluate(), "lr": trainer.scheduler.get_last_lr()[0]}
+        records.append(record)
+        if ctx.is_main:
+            _log(metrics, record)
+            print(f"epoch {epoch + 1:3d}/{cfg.epochs}  {record['epoch_time_s']:6.2f} s  "
+                  f"{record['images_per_s']:8.0f} img/s  loss {record['train_loss']:.3f}  "
+                  f"train {record['train_acc']:.2%}  test {record['test_acc']:.2%}", flush=True)
+            last = epoch + 1 == cfg.epochs
+            if cfg.checkpoint_every and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
+                trainer.save(epoch)
+        ctx.barrier()  # nobody runs ahead while rank 0 writes the checkpoint
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    prog = "python -m tutorial_utils.train"
+    try:
+        cfg = parse(TrainConfig, argv, prog, __doc__.splitlines()[0])
+        with distributed(cfg.device) as ctx:
+            cfg.batches(ctx.world_size)  # fail before loading anything
+            run(cfg, ctx)
+    except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

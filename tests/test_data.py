@@ -1,0 +1,145 @@
+import tarfile
+import urllib.error
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from tutorial_utils import data as data_mod
+from tutorial_utils.data import (
+    CLASSES,
+    DataError,
+    DeviceLoader,
+    dataloader,
+    decode_image_folder,
+    load_cifar10,
+    load_image_folder,
+    random_crop_flip,
+    synthetic_cifar10,
+)
+
+SHARED_TARBALL = Path(__file__).resolve().parents[2] / "shared/data/cifar10-jpeg.tar.gz"
+
+
+@pytest.fixture
+def image_tree(tmp_path):
+    """train/<class>/k.png (2 per class) and test/<class>/k.png (1 per class): colour = class."""
+    root = tmp_path / "tree"
+    for split, n in (("train", 2), ("test", 1)):
+        for c, name in enumerate(CLASSES):
+            (root / split / name).mkdir(parents=True)
+            for k in range(n):
+                pixels = np.full((32, 32, 3), c * 20 + k, dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / name / f"{k:04d}.png")
+    return root
+
+
+def test_synthetic_is_labelled_as_such():
+    d = synthetic_cifar10(100, 20)
+    assert d.synthetic and "synthetic" in d.name
+    assert d.train_x.shape == (100, 3, 32, 32) and d.train_x.dtype == torch.uint8
+    assert d.test_y.shape == (20,)
+
+
+def test_image_folder_tree_decodes_in_class_order(image_tree):
+    d = decode_image_folder(image_tree)
+    assert not d.synthetic
+    assert d.train_x.shape == (20, 3, 32, 32) and d.test_x.shape == (10, 3, 32, 32)
+    assert d.train_y.tolist() == [c for c in range(10) for _ in range(2)]
+    assert d.train_x[2:4, 0, 0, 0].tolist() == [20, 21]  # class 1, images 0 and 1
+
+
+def test_tarball_equals_tree_and_is_cached(image_tree, tmp_path, monkeypatch):
+    tarball = tmp_path / "c.tar.gz"
+    with tarfile.open(tarball, "w:gz") as tar:
+        tar.add(image_tree, arcname="cifar")
+    first = load_image_folder(tarball, cache_dir=tmp_path / "cache")
+    assert torch.equal(first.train_x, decode_image_folder(image_tree).train_x)
+    monkeypatch.setattr(data_mod, "decode_image_folder", lambda *a: pytest.fail("not cached"))
+    again = load_image_folder(tarball, cache_dir=tmp_path / "cache")
+    assert torch.equal(again.test_x, first.test_x) and torch.equal(again.test_y, first.test_y)
+
+
+@pytest.mark.skipif(not SHARED_TARBALL.exists(), reason="no shared JPEG copy")
+def test_slice_of_the_jpeg_copy(tmp_path):
+    d = load_cifar10(str(SHARED_TARBALL), cache_dir=tmp_path, limit_per_class=5)
+    assert d.train_x.shape == (50, 3, 32, 32) and d.test_x.shape == (50, 3, 32, 32)
+    assert d.train_y.bincount().tolist() == [5] * 10
+    assert 0.3 < d.train_x.float().mean().item() / 255 < 0.6
+
+
+def test_folder_without_images_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="no train/<class>"):
+        decode_image_folder(tmp_path)
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(DataError, match="no such file or folder"):
+        load_cifar10(str(tmp_path / "nope.tar.gz"))
+
+
+def test_offline_without_data_names_the_options(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr("torchvision.datasets.CIFAR10.download", offline)
+    with pytest.raises(DataError) as err:
+        load_cifar10("auto", data_dir=tmp_path, download=True)
+    msg = str(err.value)
+    assert "downloading into" in msg and "failed (URLError)" in msg
+    assert "--data-dir" in msg and "--data PATH" in msg and "--data synthetic" in msg
+
+
+def test_crop_and_flip_match_a_per_image_reference():
+    x = torch.randint(0, 256, (6, 3, 8, 8), dtype=torch.uint8)
+    out = random_crop_flip(x, torch.Generator().manual_seed(3), pad=2)
+    g = torch.Generator().manual_seed(3)  # the same draws, in the same order
+    dy = torch.randint(0, 5, (6, 1, 1), generator=g).flatten()
+    dx = torch.randint(0, 5, (6, 1, 1), generator=g).flatten()
+    flip = (torch.rand(6, 1, 1, generator=g) < 0.5).flatten()
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(6):
+        crop = padded[i, :, dy[i] : dy[i] + 8, dx[i] : dx[i] + 8]
+        expected = crop.flip(-1) if flip[i] else crop
+        assert torch.equal(out[i], expected)
+    assert out.dtype == torch.uint8 and out.shape == x.shape
+
+
+def test_device_loader_shards_one_permutation_across_ranks():
+    x = torch.arange(100, dtype=torch.uint8).view(100, 1, 1, 1).expand(100, 3, 32, 32)
+    y = torch.arange(100)
+    seen = []
+    for rank in range(2):
+        loader = DeviceLoader(x, y, 16, device=torch.device("cpu"), rank=rank, world_size=2)
+        loader.set_epoch(1)
+        labels = torch.cat([b[1] for b in loader])
+        assert len(loader) == 3 and len(labels) == 48
+        seen.append(set(labels.tolist()))
+    assert not seen[0] & seen[1]
+
+
+def test_device_loader_eval_covers_every_sample_once():
+    x = torch.zeros(103, 3, 32, 32, dtype=torch.uint8)
+    y = torch.arange(103)
+    labels = []
+    for rank in range(3):
+        loader = DeviceLoader(x, y, 10, device=torch.device("cpu"), rank=rank, world_size=3,
+                              train=False)
+        labels += torch.cat([b[1] for b in loader]).tolist()
+    assert sorted(labels) == list(range(103))
+
+
+def test_classic_dataloader_yields_uint8_batches():
+    d = synthetic_cifar10(64, 8)
+    loader = dataloader(d.train_x, d.train_y, 16, rank=1, world_size=2, workers=0,
+                        pin_memory=False)
+    batches = list(loader)
+    assert len(batches) == 2 and batches[0][0].shape == (16, 3, 32, 32)
+    assert batches[0][0].dtype == torch.uint8
+
+
+def test_cache_write_is_atomic(image_tree, tmp_path):
+    load_image_folder(image_tree, cache_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []

@@ -1,0 +1,46 @@
+"""Multi-process runs on the CPU (gloo): the same code path torchrun takes on GPUs."""
+
+import pytest
+import torch
+
+from tutorial_utils.launch import torchrun
+from tutorial_utils.parallel.distributed import DistContext, all_reduce_sum, distributed
+
+
+def test_single_process_needs_no_process_group(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    with distributed("cpu") as ctx:
+        assert ctx == DistContext(0, 0, 1, torch.device("cpu"))
+        assert ctx.is_main and not ctx.is_distributed
+        assert all_reduce_sum(ctx, 1.0, 2.0) == [1.0, 2.0]
+        assert not torch.distributed.is_initialized()
+
+
+def test_two_process_training_run(tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(
+        "tutorial_utils.train",
+        ["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--data", "synthetic",
+         "--device", "cpu", "--no-bf16", "--out", str(out)],
+        nproc=2, timeout_s=300, metrics_file=out / "metrics.jsonl", echo=False,
+    )
+    start, epoch = result.metrics
+    assert start["world_size"] == 2 and start["per_gpu_batch"] == 32
+    assert start["synthetic_data"] is True
+    assert epoch["epoch"] == 1 and 0 <= epoch["test_acc"] <= 1
+    assert (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.multigpu
+def test_two_gpu_nccl_training_run(tmp_path):
+    out = tmp_path / "run"
+    result = torchrun(
+        "tutorial_utils.train",
+        ["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "128", "--data",
+         "synthetic", "--device", "cuda", "--out", str(out)],
+        nproc=2, timeout_s=300, metrics_file=out / "metrics.jsonl", echo=False,
+    )
+    start, epoch = result.metrics
+    assert start["world_size"] == 2 and start["stamp"]["gpu_count"] >= 2
+    assert epoch["images_per_s"] > 0

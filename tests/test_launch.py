@@ -1,0 +1,44 @@
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tutorial_utils.launch import LaunchError, failure_summary, torchrun
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+def test_crashing_rank_is_reported_in_one_line_without_waiting_for_the_others():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        torchrun(str(WORKERS / "crash_rank1.py"), nproc=2, timeout_s=60, echo=False)
+    assert time.monotonic() - t0 < 60
+    assert str(err.value) == (
+        "rank 1 failed: ValueError: deliberate failure on rank 1 (full output above)"
+    )
+    assert "Traceback" in err.value.output
+
+
+def test_timeout_kills_the_job_and_returns():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out after 3 s; all processes were killed"):
+        torchrun(str(WORKERS / "hang.py"), nproc=2, timeout_s=3, echo=False)
+    assert time.monotonic() - t0 < 30
+
+
+def test_summary_without_torchrun_markers_falls_back_to_exit_code():
+    assert failure_summary("nothing useful", 3) == "the job failed: exit code 3 (full output above)"
+
+
+def test_metrics_are_returned(tmp_path):
+    script = tmp_path / "write.py"
+    out = tmp_path / "m.jsonl"
+    script.write_text(
+        "import json, os\n"
+        f"if os.environ['RANK'] == '0':\n"
+        f"    open({str(out)!r}, 'w').write(json.dumps({{'world': os.environ['WORLD_SIZE']}}))\n"
+    )
+    out.write_text(json.dumps({"stale": True}))  # removed before the job starts
+    result = torchrun(str(script), nproc=2, timeout_s=60, metrics_file=out, echo=False)
+    assert result.metrics == [{"world": "2"}]

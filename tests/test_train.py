@@ -1,0 +1,152 @@
+"""The training entry point: learning, exact resume, atomic checkpoints, and clear errors."""
+
+import pytest
+import torch
+
+from tutorial_utils import checkpoint as ckpt_mod
+from tutorial_utils import train as train_mod
+from tutorial_utils.checkpoint import load_checkpoint, save_checkpoint
+from tutorial_utils.config import ConfigError
+from tutorial_utils.data import synthetic_cifar10
+from tutorial_utils.devices import gpu_count
+from tutorial_utils.parallel.distributed import DistContext
+from tutorial_utils.train import TrainConfig, lr_factor, main, run
+
+CPU = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+@pytest.fixture(autouse=True)
+def small_data(monkeypatch):
+    monkeypatch.setattr(train_mod, "load_cifar10", lambda *a, **k: synthetic_cifar10(512, 128))
+
+
+def tiny(tmp_path, **kw):
+    base = dict(depth=10, width=1, epochs=2, batch=64, data="synthetic", out=tmp_path / "run",
+                bf16=False, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def weights(cfg):
+    return torch.load(cfg.out / "checkpoint.pt", weights_only=True)["model"]
+
+
+def test_training_reduces_the_loss(tmp_path):
+    records = run(tiny(tmp_path, epochs=3), CPU)
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 4 and '"synthetic_data": true' in lines[0]
+
+
+class Killed(Exception):
+    pass
+
+
+def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch):
+    straight = tiny(tmp_path / "a", epochs=3)
+    run(straight, CPU)
+
+    interrupted = tiny(tmp_path / "b", epochs=3)
+    original = train_mod.Trainer.train_one_epoch
+
+    def die_in_epoch_2(self, epoch):
+        if epoch == 1:
+            raise Killed
+        return original(self, epoch)
+
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", die_in_epoch_2)
+    with pytest.raises(Killed):
+        run(interrupted, CPU)
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", original)
+    resumed = run(tiny(tmp_path / "b", epochs=3, resume=True), CPU)
+
+    assert [r["epoch"] for r in resumed] == [2, 3]
+    a, b = weights(straight), weights(interrupted)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, {"epoch": 1, "config": {}})
+
+    def crash_midway(obj, f):
+        with open(f, "wb") as fh:
+            fh.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", crash_midway)
+    with pytest.raises(OSError):
+        save_checkpoint(path, {"epoch": 2, "config": {}})
+    assert load_checkpoint(path, {})["epoch"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_lr_schedules():
+    cfg = TrainConfig(epochs=10, warmup_epochs=2)
+    assert lr_factor(cfg, 0, 100) == pytest.approx(1 / 200)
+    assert lr_factor(cfg, 200, 100) == pytest.approx(1.0)
+    assert lr_factor(cfg, 600, 100) == pytest.approx(0.5)
+    step = TrainConfig(epochs=200, schedule="step")
+    assert [lr_factor(step, e * 10, 10) for e in (0, 60, 120, 160)] == pytest.approx(
+        [1, 0.2, 0.04, 0.008])
+
+
+def test_batch_scaling_and_lr():
+    strong, weak = TrainConfig(batch=128), TrainConfig(batch=128, scaling="weak")
+    assert strong.batches(2) == (64, 128) and strong.peak_lr(2) == pytest.approx(0.1)
+    assert weak.batches(2) == (128, 256) and weak.peak_lr(2) == pytest.approx(0.2)
+    with pytest.raises(ConfigError, match="--batch 128 is not divisible by 3 processes"):
+        strong.batches(3)
+
+
+def error_of(capsys, *argv):
+    capsys.readouterr()  # drop what earlier steps printed
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:  # argparse's own errors
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err, "errors are one line"
+    return err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--depth", "27"], "--depth must be 6n+4"),
+        (["--width", "0"], "--width must be >= 1"),
+        (["--batch", "0"], "--batch must be >= 1"),
+        (["--frobnicate"], "unrecognized arguments: --frobnicate (see --help)"),
+        (["--loader", "magic"], "invalid choice: 'magic'"),
+    ],
+)
+def test_bad_options(capsys, argv, message):
+    assert message in error_of(capsys, *argv)
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="needs a machine without GPUs")
+def test_gpu_requested_without_gpu(capsys):
+    assert "no GPU; use --device cpu" in error_of(capsys, "--device", "cuda")
+
+
+def test_no_dataset_offline(capsys, tmp_path, monkeypatch):
+    monkeypatch.undo()  # the real loader
+    err = error_of(capsys, "--device", "cpu", "--no-download", "--data-dir", str(tmp_path))
+    assert "downloading is off" in err and "--data synthetic" in err
+
+
+def test_corrupt_checkpoint(capsys, tmp_path):
+    cfg = tiny(tmp_path)
+    cfg.out.mkdir(parents=True)
+    (cfg.out / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    err = error_of(capsys, "--depth", "10", "--width", "1", "--data", "synthetic",
+                   "--device", "cpu", "--out", str(cfg.out), "--resume")
+    assert "is corrupt or not a checkpoint" in err and "delete it" in err
+
+
+def test_mismatched_checkpoint(capsys, tmp_path):
+    run(tiny(tmp_path, epochs=1), CPU)
+    err = error_of(capsys, "--depth", "16", "--width", "1", "--epochs", "1", "--batch", "64",
+                   "--data", "synthetic", "--device", "cpu", "--out", str(tmp_path / "run"),
+                   "--resume")
+    assert "was written with depth=10 (this run: 16)" in err
