@@ -44,3 +44,31 @@ def test_two_gpu_nccl_training_run(tmp_path):
     start, epoch = result.metrics
     assert start["world_size"] == 2 and start["stamp"]["gpu_count"] >= 2
     assert epoch["images_per_s"] > 0
+
+
+def _equivalence(tmp_path, *flags, device="cpu"):
+    out = tmp_path / "eq.jsonl"
+    result = torchrun("tutorial_utils.parallel.equivalence",
+                      ["--out", str(out), "--device", device, *flags],
+                      nproc=2, timeout_s=120, metrics_file=out, echo=False)
+    (row,) = result.metrics
+    return row
+
+
+def test_ddp_and_hand_written_all_reduce_match_one_process(tmp_path):
+    row = _equivalence(tmp_path)
+    assert row["world_size"] == 2
+    assert row["ddp_vs_reference"] < 1e-6
+    assert row["manual_vs_ddp"] < 1e-6
+    assert row["no_sync_vs_reference"] < 1e-6
+
+
+def test_batchnorm_breaks_exact_equality(tmp_path):
+    row = _equivalence(tmp_path, "--batchnorm")
+    assert row["ddp_vs_reference"] > 1e-4  # per-rank batch statistics differ from the global ones
+
+
+@pytest.mark.multigpu
+def test_sync_batchnorm_restores_equality_on_gpus(tmp_path):
+    row = _equivalence(tmp_path, "--sync-bn", device="cuda")
+    assert row["ddp_vs_reference"] < 1e-4

@@ -18,13 +18,13 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel
 
 from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, parse, to_dict
 from .data import Cifar10, DataError, DeviceLoader, dataloader, load_cifar10, normalize
 from .devices import NotEnoughGPUsError
 from .models import WideResNet
+from .parallel.data_parallel import ddp
 from .parallel.distributed import DistContext, all_reduce_sum, distributed
 from .timing import synchronize
 
@@ -125,10 +125,7 @@ class Trainer:
         fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout).to(ctx.device,
                                                                               memory_format=fmt)
-        model = self.net
-        if ctx.is_distributed:
-            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=ids)
+        model = ddp(self.net, ctx)
         self.model = model if cfg.compile == "none" else torch.compile(model, mode=cfg.compile)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)

@@ -1,0 +1,159 @@
+"""Data parallelism on one machine, measured side by side in one run.
+
+    python -m tutorial_utils.bench_data_parallel --gpus 2 --batch 256
+
+Times one training step of a Wide-ResNet (bf16 autocast, channels_last) at a fixed per-GPU
+batch: on one GPU (eager, and with CUDA graphs), with ``nn.DataParallel`` over N GPUs (cuDNN
+autotuning on and off), and with DDP in N processes; every speed-up is against the best
+single-GPU run of the same invocation. It also predicts the DDP step from the compute time and
+a ring all-reduce at the measured bus bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .devices import gpu_count
+from .launch import torchrun
+from .models import wide_resnet
+from .parallel.data_parallel import make_data_parallel, ring_all_reduce_seconds
+from .speed import LADDER, LadderSize, TrainStep, measure_rung
+from .timing import benchmark
+
+
+@dataclass
+class Row:
+    name: str
+    gpus: int
+    step_ms: float | None
+    images_per_s: float | None = None
+    speedup: float | None = None  # over the best single-GPU row
+    note: str = ""
+
+
+def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> float:
+    """Median step time (ms) of ``nn.DataParallel`` over ``n_gpus`` at ``size.batch`` per GPU.
+
+    With autotuning on, a step can take many times longer, so fewer repeats are timed.
+    """
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        torch.manual_seed(0)
+        net = wide_resnet(size.model).to(memory_format=torch.channels_last)
+        model = make_data_parallel(net, n_gpus)
+        dev = torch.device("cuda:0")
+        x = torch.randn(size.batch * n_gpus, 3, 32, 32, device=dev)
+        y = torch.randint(0, 10, (size.batch * n_gpus,), device=dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+        step = TrainStep(model, model, opt, x.to(memory_format=torch.channels_last), y, bf16=True)
+        warmup, repeats = (1, 5) if cudnn_benchmark else (size.warmup, size.repeats)
+        return benchmark(step, warmup=warmup, repeats=repeats, device=dev).median_ms
+    finally:
+        torch.backends.cudnn.benchmark = old
+
+
+def time_ddp(size: LadderSize, n: int, device: str, timeout_s: float = 900) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.jsonl"
+        args = ["--model", size.model, "--batch", str(size.batch), "--warmup", str(size.warmup),
+                "--repeats", str(size.repeats), "--device", device, "--out", str(out)]
+        result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n,
+                          timeout_s=timeout_s, metrics_file=out, echo=False)
+    return result.metrics[0]
+
+
+def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], dict]:
+    """All measurements; returns the table rows and the DDP worker's record (+ prediction)."""
+    on_gpu = gpu_count() >= 1
+    dev = torch.device("cuda:0" if on_gpu else "cpu")
+    singles = [measure_rung(LADDER[3], size, dev)]
+    if graphs and on_gpu:
+        singles.append(measure_rung(LADDER[-1], size, dev))
+    rows = [Row(f"1 GPU, {r.rung.name.lstrip('+ ')}" if on_gpu else f"CPU, {r.rung.name}", 1,
+                r.timing.median_ms) for r in singles]
+    if gpu_count() >= n_gpus >= 2:
+        for flag in (True, False):
+            ms = time_data_parallel(size, n_gpus, cudnn_benchmark=flag)
+            rows.append(Row(f"DataParallel, cudnn.benchmark={flag}", n_gpus, ms))
+    else:
+        rows.append(Row("DataParallel", n_gpus, None, note=f"skipped: needs {n_gpus} GPUs"))
+    ddp = time_ddp(size, n_gpus, "cuda" if gpu_count() >= n_gpus else "cpu")
+    rows.append(Row("DDP", n_gpus, ddp["ddp_ms"]))
+    rows.append(Row("DDP, no_sync (compute only)", n_gpus, ddp["no_sync_ms"]))
+    best = min(r.step_ms for r in rows if r.gpus == 1)
+    for r in rows:
+        if r.step_ms:
+            r.images_per_s = size.batch * r.gpus / r.step_ms * 1e3
+            r.speedup = r.images_per_s / (size.batch / best * 1e3)
+    allreduce_ms = ring_all_reduce_seconds(ddp["grad_bytes"], n_gpus, ddp["bus_gbps"]) * 1e3
+    ddp.update(best_single_ms=best, allreduce_ms=allreduce_ms,
+               predicted_no_overlap_ms=ddp["no_sync_ms"] + allreduce_ms,
+               predicted_full_overlap_ms=max(ddp["no_sync_ms"], allreduce_ms))
+    for key in ("no_overlap", "full_overlap"):
+        ddp[f"predicted_speedup_{key}"] = n_gpus * best / ddp[f"predicted_{key}_ms"]
+    ddp["measured_speedup"] = n_gpus * best / ddp["ddp_ms"]
+    return rows, ddp
+
+
+def table(rows: list[Row]) -> str:
+    lines = [f"{'run':<36}{'GPUs':>5}{'step (ms)':>11}{'images/s':>10}{'vs best 1-GPU':>15}"]
+    for r in rows:
+        if r.step_ms is None:
+            lines.append(f"{r.name:<36}{r.gpus:>5}  {r.note}")
+        else:
+            lines.append(f"{r.name:<36}{r.gpus:>5}{r.step_ms:>11.2f}{r.images_per_s:>10.0f}"
+                         f"{r.speedup:>14.2f}x")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], ddp: dict, title: str):
+    """Images/s of each run, with the band the all-reduce model predicts for DDP."""
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in rows if r.step_ms is not None]
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    ax.barh([r.name for r in measured], [r.images_per_s for r in measured], color="#4c72b0")
+    n, per_gpu = measured[-1].gpus, ddp["per_gpu_batch"]
+    lo, hi = (n * per_gpu / ddp[f"predicted_{k}_ms"] * 1e3 for k in ("no_overlap", "full_overlap"))
+    ax.axvspan(lo, hi, color="#dd8452", alpha=0.3, label="DDP predicted (no to full overlap)")
+    for i, r in enumerate(measured):
+        ax.annotate(f" {r.speedup:.2f}x", (r.images_per_s, i), va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("training images / s")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.margins(x=0.15)
+    fig.tight_layout()
+    return fig
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wrn-28-10")
+    parser.add_argument("--batch", type=int, default=256, help="per-GPU batch")
+    parser.add_argument("--gpus", type=int, default=max(gpu_count(), 2))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graphs run")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    size = LadderSize(args.model, args.batch, warmup=5, repeats=args.repeats)
+    rows, ddp = run(size, args.gpus, graphs=not args.no_graphs)
+    print(table(rows))
+    print(f"\nall-reduce of {ddp['grad_bytes'] / 1e6:.0f} MB at {ddp['bus_gbps']:.0f} GB/s bus "
+          f"bandwidth: {ddp['allreduce_ms']:.2f} ms; DDP speed-up predicted "
+          f"{ddp['predicted_speedup_no_overlap']:.2f}x (no overlap) to "
+          f"{ddp['predicted_speedup_full_overlap']:.2f}x (full overlap), "
+          f"measured {ddp['measured_speedup']:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "ddp": ddp}))
+
+
+if __name__ == "__main__":
+    main()

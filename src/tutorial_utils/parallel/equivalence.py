@@ -1,0 +1,92 @@
+"""Run under torchrun: do DDP, hand-written all-reduce and ``no_sync`` accumulation give the
+gradients of one process on the whole batch?
+
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.parallel.equivalence --out r.jsonl
+
+Every rank builds the same model and the same global batch; rank r trains on the r-th slice.
+Rank 0 writes one JSON line with the largest gradient difference of each method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .data_parallel import all_reduce_gradients, ddp
+from .distributed import DistContext, distributed
+
+
+def small_net(batchnorm: bool = False) -> nn.Sequential:
+    norm = nn.BatchNorm2d(16) if batchnorm else nn.Identity()
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), norm, nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def compare(ctx: DistContext, batch: int, batchnorm: bool, sync_bn: bool) -> dict:
+    torch.manual_seed(0)  # the same model and global batch on every rank
+    base = small_net(batchnorm).to(ctx.device)
+    x = torch.randn(batch, 3, 16, 16, device=ctx.device)
+    y = torch.randint(0, 10, (batch,), device=ctx.device)
+    mine = slice(ctx.rank * batch // ctx.world_size, (ctx.rank + 1) * batch // ctx.world_size)
+
+    reference = copy.deepcopy(base)
+    F.cross_entropy(reference(x), y).backward()  # one process, whole batch
+
+    replica = copy.deepcopy(base)
+    if sync_bn:
+        replica = nn.SyncBatchNorm.convert_sync_batchnorm(replica)
+    wrapped = ddp(replica, ctx)
+    F.cross_entropy(wrapped(x[mine]), y[mine]).backward()  # DDP averages over ranks
+
+    manual = copy.deepcopy(base)
+    F.cross_entropy(manual(x[mine]), y[mine]).backward()
+    all_reduce_gradients(manual, ctx.world_size)
+
+    accumulated = ddp(copy.deepcopy(base), ctx)  # two micro-batches, one all-reduce
+    half = x[mine].shape[0] // 2
+    with accumulated.no_sync():
+        (F.cross_entropy(accumulated(x[mine][:half]), y[mine][:half]) / 2).backward()
+    (F.cross_entropy(accumulated(x[mine][half:]), y[mine][half:]) / 2).backward()
+
+    ref = _grads(reference)
+    return {
+        "world_size": ctx.world_size, "batchnorm": batchnorm, "sync_bn": sync_bn,
+        "ddp_vs_reference": _max_diff(_grads(wrapped), ref),
+        "manual_vs_ddp": _max_diff(_grads(manual), _grads(wrapped)),
+        "no_sync_vs_reference": _max_diff(_grads(accumulated), ref),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--batchnorm", action="store_true", help="add a BatchNorm layer")
+    parser.add_argument("--sync-bn", action="store_true", help="...as SyncBatchNorm (GPUs)")
+    args = parser.parse_args(argv)
+    with distributed(args.device) as ctx:
+        result = compare(ctx, args.batch, args.batchnorm or args.sync_bn, args.sync_bn)
+        if ctx.is_main:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+if __name__ == "__main__":
+    main()
