@@ -10,6 +10,8 @@ configuration and the environment stamp) and a checkpoint to ``<out>/checkpoint.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -67,6 +69,9 @@ class TrainConfig:
     checkpoint_every: int = opt(1, "epochs between checkpoints (0: never)")
     resume: bool = opt(False, "continue from <out>/checkpoint.pt")
     seed: int = opt(0, "seed for initialisation, data order and augmentation")
+    crash_at_step: int | None = opt(
+        None, "fault-tolerance demo: the last rank dies (SIGKILL) at this global step, on the "
+        "first attempt only (torchrun restarts count from 0)")
 
     def __post_init__(self) -> None:
         if self.depth < 10 or (self.depth - 4) % 6:
@@ -179,7 +184,10 @@ class Trainer:
         seen = 0
         synchronize(dev)
         t0 = time.perf_counter()
-        for x, y in _progress(loader, self.ctx, epoch, cfg.epochs):
+        first_step = epoch * self.steps_per_epoch
+        for i, (x, y) in enumerate(_progress(loader, self.ctx, epoch, cfg.epochs)):
+            if cfg.crash_at_step == first_step + i:
+                self._simulated_crash(first_step + i)
             if x.dtype == torch.uint8:  # DataLoader batches arrive as bytes on the host
                 x = normalize(x.to(dev, non_blocking=True), cfg.channels_last)
                 y = y.to(dev, non_blocking=True)
@@ -200,6 +208,12 @@ class Trainer:
                                                       correct.item(), seen)
         return {"epoch_time_s": seconds, "images_per_s": n / seconds,
                 "train_loss": loss_total / n, "train_acc": correct_total / n}
+
+    def _simulated_crash(self, step: int) -> None:
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if self.ctx.rank == self.ctx.world_size - 1 and first_attempt:
+            print(f"rank {self.ctx.rank}: simulated crash at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)  # no cleanup, no checkpoint: a real crash
 
     @torch.no_grad()
     def evaluate(self) -> float:
