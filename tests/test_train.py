@@ -37,6 +37,11 @@ def test_training_reduces_the_loss(tmp_path):
     assert len(lines) == 4 and '"synthetic_data": true' in lines[0]
 
 
+def test_classic_dataloader_path_trains(tmp_path):
+    (record,) = run(tiny(tmp_path, epochs=1, loader="dataloader", workers=0), CPU)
+    assert record["images_per_s"] > 0 and record["train_loss"] > 0
+
+
 class Killed(Exception):
     pass
 
