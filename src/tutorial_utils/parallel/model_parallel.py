@@ -1,0 +1,98 @@
+"""Model parallelism: consecutive layers on different devices, naive and pipelined.
+
+:class:`ModelParallel` is the Torch7 post's ``withDevice`` idea: stage i lives on device i and
+the whole batch hops from device to device, so only one device works at a time.
+:class:`PipelinedModelParallel` cuts the batch into m micro-batches and issues them so that
+stage s runs micro-batch j while stage s+1 runs micro-batch j-1 (GPipe's fill and drain).
+CUDA kernels are asynchronous and each device has its own queue, so the devices overlap
+without any host synchronisation; backward overlaps too, because autograd runs one thread per
+device. With p equal stages the idle share of each device, the *bubble*, is (p-1)/(m+p-1).
+
+In practice, across processes or machines, use ``torch.distributed.pipelining`` (one stage
+per process, GPipe or 1F1B schedules): see :mod:`tutorial_utils.parallel.pipeline_stage`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def balanced_boundaries(model: nn.Sequential, n_stages: int) -> list[int]:
+    """Indices where stages start, balancing parameter counts (layers stay whole, in order)."""
+    if not 1 <= n_stages <= len(model):
+        raise ValueError(f"need 1..{len(model)} stages for {len(model)} layers, got {n_stages}")
+    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
+    total, starts, acc = sum(sizes), [0], 0
+    for i, size in enumerate(sizes[:-1]):
+        acc += size
+        remaining_layers, remaining_stages = len(sizes) - (i + 1), n_stages - len(starts)
+        if remaining_stages and (acc >= total * len(starts) / n_stages
+                                 or remaining_layers == remaining_stages):
+            starts.append(i + 1)
+    return starts
+
+
+def split_sequential(
+    model: nn.Sequential, devices: list[torch.device], starts: list[int] | None = None
+) -> nn.ModuleList:
+    """Cut ``model`` into ``len(devices)`` consecutive stages and move stage i to devices[i]."""
+    starts = starts or balanced_boundaries(model, len(devices))
+    ends = [*starts[1:], len(model)]
+    layers = list(model)  # slicing a Sequential subclass would call the subclass's constructor
+    return nn.ModuleList(
+        nn.Sequential(*layers[a:b]).to(dev) for a, b, dev in zip(starts, ends, devices, strict=True)
+    )
+
+
+class ModelParallel(nn.Module):
+    """Naive split: the batch passes through the stages one device after another."""
+
+    def __init__(self, model: nn.Sequential, devices: list[torch.device],
+                 starts: list[int] | None = None) -> None:
+        super().__init__()
+        self.devices = list(devices)
+        self.stages = split_sequential(model, self.devices, starts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage, dev in zip(self.stages, self.devices, strict=True):
+            x = stage(x.to(dev, non_blocking=True))
+        return x
+
+
+class PipelinedModelParallel(ModelParallel):
+    """GPipe-style fill/drain over ``micro_batches`` chunks of the batch, in one process."""
+
+    def __init__(self, model: nn.Sequential, devices: list[torch.device], micro_batches: int,
+                 starts: list[int] | None = None) -> None:
+        super().__init__(model, devices, starts)
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
+        self.micro_batches = micro_batches
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        chunks = list(x.chunk(self.micro_batches))
+        p, m = len(self.stages), len(chunks)
+        # Clock tick t: stage s works on micro-batch t - s. Later stages are issued first
+        # within a tick, so no stage waits for work queued behind its successor's input.
+        for t in range(m + p - 1):
+            for s in reversed(range(p)):
+                j = t - s
+                if 0 <= j < m:
+                    chunks[j] = self.stages[s](chunks[j].to(self.devices[s], non_blocking=True))
+        return torch.cat(chunks)
+
+
+def bubble_fraction(stages: int, micro_batches: int) -> float:
+    """Share of time each device idles in a GPipe fill/drain: (p-1)/(m+p-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def predicted_pipeline_ms(stage_ms: float, stages: int, micro_batches: int,
+                          overhead_ms: float = 0.0) -> float:
+    """Step time of p equal stages, each taking ``stage_ms`` for the whole batch.
+
+    Each of the m+p-1 ticks runs one micro-batch per busy stage (stage_ms/m) plus a fixed
+    per-micro-batch cost (kernel launches, copies) that does not shrink with the micro-batch.
+    """
+    return (micro_batches + stages - 1) * (stage_ms / micro_batches + overhead_ms)

@@ -1,0 +1,104 @@
+"""Split and pipelined models give the single-device outputs and gradients."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tutorial_utils.models import wide_resnet
+from tutorial_utils.parallel.model_parallel import (
+    ModelParallel,
+    PipelinedModelParallel,
+    balanced_boundaries,
+    bubble_fraction,
+    predicted_pipeline_ms,
+)
+
+CPU2 = [torch.device("cpu")] * 2
+
+
+def no_bn_net():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+
+def grads(model):
+    return [p.grad for p in model.parameters()]
+
+
+def run(model, x, y):
+    out = model(x)
+    nn.functional.cross_entropy(out, y.to(out.device)).backward()
+    return out
+
+
+@pytest.mark.parametrize("make", [no_bn_net, lambda: wide_resnet("wrn-10-1")])
+def test_naive_split_matches_one_device(make):
+    torch.manual_seed(0)
+    ref = make()
+    split = ModelParallel(copy.deepcopy(ref), CPU2)
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    torch.testing.assert_close(run(split, x, y), run(ref, x, y))
+    for a, b in zip(grads(split), grads(ref), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8])
+def test_pipeline_matches_one_device(m):
+    torch.manual_seed(0)
+    ref = no_bn_net()
+    pipe = PipelinedModelParallel(copy.deepcopy(ref), CPU2, micro_batches=m)
+    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 10, (16,))
+    torch.testing.assert_close(run(pipe, x, y), run(ref, x, y))
+    for a, b in zip(grads(pipe), grads(ref), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_pipeline_with_batchnorm_matches_in_eval_mode():
+    torch.manual_seed(0)
+    ref = wide_resnet("wrn-10-1").eval()
+    pipe = PipelinedModelParallel(copy.deepcopy(ref), CPU2, micro_batches=4).eval()
+    x = torch.randn(16, 3, 32, 32)
+    torch.testing.assert_close(pipe(x), ref(x))
+
+
+def test_boundaries_cover_the_layers_in_order():
+    model = wide_resnet("wrn-16-2")
+    for n in (1, 2, 3, len(model)):
+        starts = balanced_boundaries(model, n)
+        assert starts[0] == 0 and len(starts) == n and starts == sorted(set(starts))
+    with pytest.raises(ValueError, match="stages"):
+        balanced_boundaries(model, len(model) + 1)
+
+
+def test_bubble_model():
+    assert bubble_fraction(2, 1) == pytest.approx(0.5)
+    assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
+    assert bubble_fraction(1, 4) == 0
+    # Two equal stages of 10 ms: naive 20 ms; 4 micro-batches, 5 ticks of 2.5 ms -> 12.5 ms.
+    assert predicted_pipeline_ms(10, 2, 4) == pytest.approx(12.5)
+    assert predicted_pipeline_ms(10, 2, 4, overhead_ms=0.5) == pytest.approx(15.0)
+
+
+@pytest.mark.multigpu
+def test_split_over_two_gpus_matches_one_gpu():
+    torch.manual_seed(0)
+    ref = wide_resnet("wrn-10-1").cuda()
+    devs = [torch.device("cuda:0"), torch.device("cuda:1")]
+    pipe = PipelinedModelParallel(copy.deepcopy(ref), devs, micro_batches=4).eval()
+    x = torch.randn(32, 3, 32, 32, device="cuda:0")
+    torch.testing.assert_close(pipe(x).to("cuda:0"), ref.eval()(x))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torch_pipelining_stages_match_one_process(tmp_path, schedule):
+    from tutorial_utils.launch import torchrun
+
+    out = tmp_path / "pipe.jsonl"
+    result = torchrun("tutorial_utils.parallel.pipeline_stage",
+                      ["--check", "--device", "cpu", "--schedule", schedule, "--out", str(out)],
+                      nproc=2, timeout_s=120, metrics_file=out, echo=False)
+    (row,) = result.metrics
+    assert row["world_size"] == 2 and row["schedule"] == schedule
+    assert row["max_grad_diff"] < 1e-5
