@@ -102,3 +102,14 @@ def test_torch_pipelining_stages_match_one_process(tmp_path, schedule):
     (row,) = result.metrics
     assert row["world_size"] == 2 and row["schedule"] == schedule
     assert row["max_grad_diff"] < 1e-5
+
+
+def test_pipeline_benchmark_runs_and_predicts_every_m():
+    from tutorial_utils.bench_model_parallel import run as bench
+    from tutorial_utils.bench_model_parallel import table
+
+    rows, devices = bench("wrn-10-1", batch=8, micro_batches=[1, 2], repeats=1)
+    assert [r.name for r in rows][:2] == ["1 device", "naive split, 2 devices"]
+    assert [r.micro_batches for r in rows[2:]] == [1, 2]
+    assert all(r.measured_ms > 0 and r.predicted_ms > 0 for r in rows[2:])
+    assert "bubble" in table(rows, 2) and len(devices) == 2

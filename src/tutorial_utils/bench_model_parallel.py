@@ -1,0 +1,158 @@
+"""Model parallelism measured in one run: single device, naive split, pipelined for each m.
+
+    python -m tutorial_utils.bench_model_parallel --model wrn-28-10 --batch 256 \\
+        --micro-batches 1 2 4 8 16 32
+
+Times forward + backward of one batch (bf16 autocast, channels_last; no optimizer step) on one
+device, split across devices naively, and pipelined with m micro-batches. The prediction for
+the pipeline comes from the stages timed alone on one micro-batch, t_s(b/m): the first
+micro-batch passes every stage, the other m-1 follow at the pace of the slowest one,
+
+    T(m) = sum_s t_s(b/m) + (m - 1) * max_s t_s(b/m),
+
+which for p equal stages is the bubble model (m+p-1) t(b/m), with t(b/m) measured, so it
+includes the fixed cost per micro-batch (launches, copies) that makes large m stop paying.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .devices import devices_for
+from .models import wide_resnet
+from .parallel.model_parallel import (
+    ModelParallel,
+    PipelinedModelParallel,
+    bubble_fraction,
+    split_sequential,
+)
+from .timing import benchmark
+
+
+@dataclass
+class PipelineRow:
+    name: str
+    micro_batches: int | None
+    measured_ms: float
+    predicted_ms: float | None = None
+
+    def speedup_over(self, naive_ms: float) -> float:
+        return naive_ms / self.measured_ms
+
+
+def _fwd_bwd(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    def step() -> None:
+        with _autocast(x.device):
+            loss = F.cross_entropy(model(x), y.to(x.device))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def stage_times_ms(stages: nn.ModuleList, devices: list[torch.device], x: torch.Tensor,
+                   repeats: int) -> list[float]:
+    """Forward + backward of each stage alone on input ``x`` (its real activations)."""
+    times, h = [], x
+    for stage, dev in zip(stages, devices, strict=True):
+        inp = h.detach().to(dev).requires_grad_(h is not x)
+        times.append(benchmark(_stage_step(stage, inp), warmup=2, repeats=repeats,
+                               device=dev).median_ms)
+        with torch.no_grad(), _autocast(dev):
+            h = stage(inp)
+    return times
+
+
+def _autocast(dev: torch.device):
+    return torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda")
+
+
+def _stage_step(stage: nn.Module, inp: torch.Tensor):
+    def step() -> None:
+        with _autocast(inp.device):
+            out = stage(inp)
+        out.float().sum().backward()
+        stage.zero_grad(set_to_none=True)
+    return step
+
+
+def run(model_name: str, batch: int, micro_batches: list[int], n_devices: int = 2,
+        repeats: int = 10) -> tuple[list[PipelineRow], list[torch.device]]:
+    devices = devices_for(n_devices)
+    torch.manual_seed(0)
+    base = wide_resnet(model_name).to(memory_format=torch.channels_last)
+    x = torch.randn(batch, 3, 32, 32).to(devices[0], memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,), device=devices[0])
+    rows = []
+    one = copy.deepcopy(base).to(devices[0])
+    rows.append(PipelineRow("1 device", None,
+                            benchmark(_fwd_bwd(one, x, y), repeats=repeats, device=devices[0])
+                            .median_ms))
+    naive = ModelParallel(copy.deepcopy(base), devices)
+    rows.append(PipelineRow(f"naive split, {n_devices} devices", 1,
+                            _timed(naive, x, y, devices, repeats)))
+    stages = split_sequential(copy.deepcopy(base), devices)
+    for m in micro_batches:
+        t = stage_times_ms(stages, devices, x[: batch // m], repeats)
+        predicted = sum(t) + (m - 1) * max(t)
+        pipe = PipelinedModelParallel(copy.deepcopy(base), devices, micro_batches=m)
+        rows.append(PipelineRow(f"pipelined, m={m}", m, _timed(pipe, x, y, devices, repeats),
+                                predicted))
+    return rows, devices
+
+
+def _timed(model: nn.Module, x, y, devices, repeats: int) -> float:
+    """Median ms of a step spanning several devices: CUDA events on one device would miss the
+    work of the others (backward ends on the first), so wait for all of them around each."""
+    step = _fwd_bwd(model, x, y)
+
+    def sync_all() -> None:
+        for d in {d for d in devices if d.type == "cuda"}:
+            torch.cuda.synchronize(d)
+
+    for _ in range(2):
+        step()
+    samples = []
+    for _ in range(repeats):
+        sync_all()
+        t0 = time.perf_counter()
+        step()
+        sync_all()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def table(rows: list[PipelineRow], stages: int) -> str:
+    naive = rows[1].measured_ms
+    lines = [f"{'run':<28}{'ms':>9}{'vs naive':>10}{'predicted':>11}{'error':>8}{'bubble':>8}"]
+    for r in rows:
+        pred = f"{r.predicted_ms:>11.2f}" if r.predicted_ms else f"{'':>11}"
+        err = f"{r.measured_ms / r.predicted_ms - 1:>+8.1%}" if r.predicted_ms else f"{'':>8}"
+        bub = f"{bubble_fraction(stages, r.micro_batches):>8.1%}" if r.micro_batches else ""
+        lines.append(f"{r.name:<28}{r.measured_ms:>9.2f}{r.speedup_over(naive):>9.2f}x"
+                     f"{pred}{err}{bub}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wrn-28-10")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args(argv)
+    rows, devices = run(args.model, args.batch, args.micro_batches, args.devices, args.repeats)
+    print(f"{args.model.upper()}, batch {args.batch}, devices {[str(d) for d in devices]}")
+    print(table(rows, args.devices))
+
+
+if __name__ == "__main__":
+    main()
