@@ -67,3 +67,15 @@ def test_a_collective_one_rank_never_joins_times_out_clearly():
     assert time.monotonic() - t0 < 60
     assert str(err.value).startswith("rank 0 failed: RuntimeError:")
     assert "Timed out" in str(err.value)
+
+
+def test_fsdp_trains_like_ddp_with_half_the_state_per_rank(tmp_path):
+    out = tmp_path / "fsdp.jsonl"
+    result = torchrun("tutorial_utils.parallel.fsdp",
+                      ["--model", "wrn-10-1", "--batch", "8", "--device", "cpu", "--out", str(out)],
+                      nproc=2, timeout_s=120, metrics_file=out, echo=False)
+    ddp, fsdp = result.metrics
+    assert (ddp["mode"], fsdp["mode"]) == ("ddp", "fsdp")
+    assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-4)
+    for part in ("params", "grads", "optimizer"):
+        assert fsdp[part] == pytest.approx(ddp[part] / 2, rel=0.01)
