@@ -1,0 +1,138 @@
+"""The scaling benchmark of chapter 5: a Wide-ResNet on one GPU and on N with DDP.
+
+    python -m tutorial_utils.bench --gpus 2 --json runs/bench.json
+
+Strong scaling keeps the global batch (the Torch7 post split its 128 across the GPUs); weak
+scaling keeps the per-GPU batch. Each regime is measured eagerly and with CUDA graphs, with
+DataParallel for comparison, and every speed-up is a ratio against the best single-GPU run of
+the same invocation at the same global (strong) or per-GPU (weak) batch. The prediction uses
+chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring all-reduce
+at the bus bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .bench_data_parallel import time_data_parallel
+from .devices import gpu_count
+from .launch import torchrun
+from .parallel.data_parallel import ring_all_reduce_seconds
+from .speed import LADDER, LadderSize, measure_rung
+
+TRAIN_IMAGES = 50_000
+MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
+
+
+@dataclass
+class Run:
+    regime: str  # "single", "strong" or "weak"
+    method: str  # "1 GPU", "DDP" or "DataParallel"
+    mode: str  # "eager" or "CUDA graphs"
+    gpus: int
+    per_gpu_batch: int
+    step_ms: float
+    speedup: float | None = None  # over the best single-GPU run of the same regime
+    predicted: float | None = None
+
+    @property
+    def images_per_s(self) -> float:
+        return self.per_gpu_batch * self.gpus / self.step_ms * 1e3
+
+    @property
+    def epoch_s(self) -> float:
+        return TRAIN_IMAGES / self.images_per_s
+
+
+def single(model: str, batch: int, mode: str, repeats: int) -> Run:
+    dev = torch.device("cuda:0" if gpu_count() else "cpu")
+    result = measure_rung(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
+    if result.timing is None:
+        raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
+    return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
+
+
+def ddp(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) -> tuple[Run, dict]:
+    compile_mode = "none" if mode == "eager" else "reduce-overhead"
+    device = "cuda" if gpu_count() >= n else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.jsonl"
+        args = ["--model", model, "--batch", str(per_gpu), "--repeats", str(repeats),
+                "--compile", compile_mode, "--device", device, "--out", str(out)]
+        (rec,) = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
+                          metrics_file=out, echo=False).metrics
+    return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"]), rec
+
+
+def run(model: str = "wrn-28-10", n: int = 2, global_batch: int = 128, per_gpu_batch: int = 128,
+        modes: tuple[str, ...] = ("eager", "CUDA graphs"), repeats: int = 20) -> list[Run]:
+    if global_batch % n:
+        raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
+    strong_per_gpu = global_batch // n
+    runs: list[Run] = []
+    for batch in sorted({global_batch, per_gpu_batch, strong_per_gpu}):
+        runs += [single(model, batch, m, repeats) for m in modes]
+    for regime, per_gpu in (("strong", strong_per_gpu), ("weak", per_gpu_batch)):
+        for mode in modes:
+            r, rec = ddp(model, per_gpu, n, mode, repeats, regime)
+            ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
+            r.predicted = rec["no_sync_ms"] + ring_ms  # step time with no overlap at all
+            runs.append(r)
+        if gpu_count() >= n >= 2:
+            size = LadderSize(model, per_gpu, 5, repeats)
+            ms = time_data_parallel(size, n, cudnn_benchmark=False)
+            runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
+    for r in runs:
+        reference = global_batch if r.regime == "strong" else per_gpu_batch
+        if r.regime == "single":
+            continue
+        best = min(s.step_ms for s in runs if s.regime == "single" and s.per_gpu_batch == reference)
+        images = r.per_gpu_batch * r.gpus
+        r.speedup = (images / r.step_ms) / (reference / best)
+        if r.predicted:
+            r.predicted = (images / r.predicted) / (reference / best)
+    return runs
+
+
+def table(runs: list[Run]) -> str:
+    head = (f"{'regime':<8}{'method':<14}{'mode':<13}{'GPUs':>5}{'batch/GPU':>10}{'step ms':>9}"
+            f"{'img/s':>8}{'epoch s':>9}{'speed-up':>10}{'predicted':>11}")
+    lines = [head]  # epoch s: the 50,000 training images at this rate
+    for r in runs:
+        sp = f"{r.speedup:>9.2f}x" if r.speedup else f"{'':>10}"
+        pr = f"{r.predicted:>10.2f}x" if r.predicted else ""
+        lines.append(f"{r.regime:<8}{r.method:<14}{r.mode:<13}{r.gpus:>5}{r.per_gpu_batch:>10}"
+                     f"{r.step_ms:>9.2f}{r.images_per_s:>8.0f}{r.epoch_s:>9.2f}{sp}{pr}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wrn-28-10")
+    parser.add_argument("--gpus", type=int, default=max(gpu_count(), 2))
+    parser.add_argument("--global-batch", type=int, default=128, help="strong scaling")
+    parser.add_argument("--per-gpu-batch", type=int, default=128, help="weak scaling")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", type=Path, help="write the results here too")
+    args = parser.parse_args(argv)
+    modes = tuple(args.modes)
+    if gpu_count() == 0 and "CUDA graphs" in modes:
+        print("no GPU: the CUDA-graphs runs are skipped")
+        modes = tuple(m for m in modes if m != "CUDA graphs") or ("eager",)
+    runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes, args.repeats)
+    print(table(runs))
+    print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+
+
+if __name__ == "__main__":
+    main()
