@@ -33,8 +33,9 @@ from .timing import synchronize
 REFERENCE_BATCH = 128  # the batch the base learning rate is given for
 
 
-def opt(default, help: str):  # noqa: A002 - mirrors argparse
-    return field(default=default, metadata={"help": help})
+def opt(default, doc: str):
+    """A config field with its ``--help`` text."""
+    return field(default=default, metadata={"help": doc})
 
 
 @dataclass
