@@ -113,3 +113,15 @@ def test_pipeline_benchmark_runs_and_predicts_every_m():
     assert [r.micro_batches for r in rows[2:]] == [1, 2]
     assert all(r.measured_ms > 0 and r.predicted_ms > 0 for r in rows[2:])
     assert "bubble" in table(rows, 2) and len(devices) == 2
+
+
+@pytest.mark.multigpu
+def test_torch_pipelining_on_two_gpus(tmp_path):
+    from tutorial_utils.launch import torchrun
+
+    out = tmp_path / "pipe.jsonl"
+    result = torchrun("tutorial_utils.parallel.pipeline_stage",
+                      ["--check", "--device", "cuda", "--schedule", "1f1b", "--out", str(out)],
+                      nproc=2, timeout_s=300, metrics_file=out, echo=False)
+    (row,) = result.metrics
+    assert row["max_grad_diff"] < 1e-4
