@@ -125,3 +125,20 @@ def test_torch_pipelining_on_two_gpus(tmp_path):
                       nproc=2, timeout_s=300, metrics_file=out, echo=False)
     (row,) = result.metrics
     assert row["max_grad_diff"] < 1e-4
+
+
+def test_flop_balanced_stages_share_the_arithmetic():
+    from tutorial_utils.parallel.model_parallel import forward_flops
+
+    with torch.device("meta"):
+        model = wide_resnet("wrn-28-10")
+        costs = forward_flops(model, torch.empty(1, 3, 32, 32))
+    total = sum(costs)
+    for n in (2, 4):
+        starts = balanced_boundaries(model, n, costs)
+        ends = [*starts[1:], len(model)]
+        shares = [sum(costs[a:b]) / total for a, b in zip(starts, ends, strict=True)]
+        assert max(shares) < 1.2 / n, shares  # within 20 % of an even split
+    # parameters are a poor proxy: the last group holds most of them
+    by_params = balanced_boundaries(model, 2)
+    assert sum(costs[: by_params[1]]) / total > 0.7

@@ -31,7 +31,9 @@ from .models import wide_resnet
 from .parallel.model_parallel import (
     ModelParallel,
     PipelinedModelParallel,
+    balanced_boundaries,
     bubble_fraction,
+    forward_flops,
     split_sequential,
 )
 from .timing import benchmark
@@ -90,19 +92,22 @@ def run(model_name: str, batch: int, micro_batches: list[int], n_devices: int = 
     base = wide_resnet(model_name).to(memory_format=torch.channels_last)
     x = torch.randn(batch, 3, 32, 32).to(devices[0], memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=devices[0])
+    # Stages of equal arithmetic, not equal parameter counts (see forward_flops).
+    starts = balanced_boundaries(base, n_devices, forward_flops(base, torch.randn(2, 3, 32, 32)))
     rows = []
     one = copy.deepcopy(base).to(devices[0])
     rows.append(PipelineRow("1 device", None,
                             benchmark(_fwd_bwd(one, x, y), repeats=repeats, device=devices[0])
                             .median_ms))
-    naive = ModelParallel(copy.deepcopy(base), devices)
+    naive = ModelParallel(copy.deepcopy(base), devices, starts)
     rows.append(PipelineRow(f"naive split, {n_devices} devices", 1,
                             _timed(naive, x, y, devices, repeats)))
-    stages = split_sequential(copy.deepcopy(base), devices)
+    stages = split_sequential(copy.deepcopy(base), devices, starts)
     for m in micro_batches:
         t = stage_times_ms(stages, devices, x[: batch // m], repeats)
         predicted = sum(t) + (m - 1) * max(t)
-        pipe = PipelinedModelParallel(copy.deepcopy(base), devices, micro_batches=m)
+        pipe = PipelinedModelParallel(copy.deepcopy(base), devices, micro_batches=m,
+                                      starts=starts)
         rows.append(PipelineRow(f"pipelined, m={m}", m, _timed(pipe, x, y, devices, repeats),
                                 predicted))
     return rows, devices

@@ -14,22 +14,46 @@ per process, GPipe or 1F1B schedules): see :mod:`tutorial_utils.parallel.pipelin
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
 
-def balanced_boundaries(model: nn.Sequential, n_stages: int) -> list[int]:
-    """Indices where stages start, balancing parameter counts (layers stay whole, in order)."""
+def forward_flops(model: nn.Sequential, sample: torch.Tensor) -> list[float]:
+    """Forward FLOPs of each layer on ``sample`` (they scale with the batch, so a small one does).
+
+    Balancing stages by FLOPs rather than parameters matters for CNNs: a Wide-ResNet's last
+    group holds most of the parameters but only about a third of the arithmetic.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    costs, h = [], sample
+    with torch.no_grad():
+        for layer in model:
+            with FlopCounterMode(display=False) as counter:
+                h = layer(h)
+            costs.append(float(counter.get_total_flops()))
+    return costs
+
+
+def balanced_boundaries(
+    model: nn.Sequential, n_stages: int, costs: list[float] | None = None
+) -> list[int]:
+    """Indices where stages start, balancing ``costs`` per layer (default: parameter counts).
+
+    Layers stay whole and in order; every stage gets at least one layer.
+    """
     if not 1 <= n_stages <= len(model):
         raise ValueError(f"need 1..{len(model)} stages for {len(model)} layers, got {n_stages}")
-    sizes = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    total, starts, acc = sum(sizes), [0], 0
-    for i, size in enumerate(sizes[:-1]):
-        acc += size
-        remaining_layers, remaining_stages = len(sizes) - (i + 1), n_stages - len(starts)
-        if remaining_stages and (acc >= total * len(starts) / n_stages
-                                 or remaining_layers == remaining_stages):
-            starts.append(i + 1)
+    sizes = costs or [sum(p.numel() for p in layer.parameters()) for layer in model]
+    prefix = list(itertools.accumulate(sizes))  # prefix[i]: cost of layers 0..i
+    starts = [0]
+    for k in range(1, n_stages):
+        target = prefix[-1] * k / n_stages
+        first = starts[-1] + 1  # the previous stage keeps at least one layer
+        last = len(sizes) - (n_stages - k)  # and each later stage gets one
+        starts.append(min(range(first, last + 1), key=lambda b: abs(prefix[b - 1] - target)))
     return starts
 
 

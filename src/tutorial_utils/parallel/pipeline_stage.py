@@ -27,7 +27,7 @@ from ..models import wide_resnet
 from ..timing import benchmark
 from .distributed import distributed
 from .equivalence import small_net
-from .model_parallel import balanced_boundaries
+from .model_parallel import balanced_boundaries, forward_flops
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.manual_seed(0)  # the same weights and batch on every rank
         full = build(args.model)
         x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
-        starts = balanced_boundaries(full, ctx.world_size)
+        costs = forward_flops(full, x[:2])  # stages of equal arithmetic
+        starts = balanced_boundaries(full, ctx.world_size, costs)
         ends = [*starts[1:], len(full)]
         mine = list(range(starts[ctx.rank], ends[ctx.rank]))
         layers = list(copy.deepcopy(full))
