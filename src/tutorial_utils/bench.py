@@ -38,8 +38,9 @@ class Run:
     gpus: int
     per_gpu_batch: int
     step_ms: float
+    predicted_ms: float | None = None  # DDP: compute + all-reduce, no overlap (chapter 4)
     speedup: float | None = None  # over the best single-GPU run of the same regime
-    predicted: float | None = None
+    predicted: float | None = None  # the speed-up predicted_ms would give
 
     @property
     def images_per_s(self) -> float:
@@ -58,7 +59,7 @@ def single(model: str, batch: int, mode: str, repeats: int) -> Run:
     return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
 
 
-def ddp(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) -> tuple[Run, dict]:
+def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) -> Run:
     compile_mode = "none" if mode == "eager" else "reduce-overhead"
     device = "cuda" if gpu_count() >= n else "cpu"
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +68,9 @@ def ddp(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) 
                 "--compile", compile_mode, "--device", device, "--out", str(out)]
         (rec,) = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
                           metrics_file=out, echo=False).metrics
-    return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"]), rec
+    ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
+    return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
+               predicted_ms=rec["no_sync_ms"] + ring_ms)
 
 
 def run(model: str = "wrn-28-10", n: int = 2, global_batch: int = 128, per_gpu_batch: int = 128,
@@ -79,24 +82,19 @@ def run(model: str = "wrn-28-10", n: int = 2, global_batch: int = 128, per_gpu_b
     for batch in sorted({global_batch, per_gpu_batch, strong_per_gpu}):
         runs += [single(model, batch, m, repeats) for m in modes]
     for regime, per_gpu in (("strong", strong_per_gpu), ("weak", per_gpu_batch)):
-        for mode in modes:
-            r, rec = ddp(model, per_gpu, n, mode, repeats, regime)
-            ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
-            r.predicted = rec["no_sync_ms"] + ring_ms  # step time with no overlap at all
-            runs.append(r)
+        runs += [ddp_run(model, per_gpu, n, mode, repeats, regime) for mode in modes]
         if gpu_count() >= n >= 2:
             size = LadderSize(model, per_gpu, 5, repeats)
             ms = time_data_parallel(size, n, cudnn_benchmark=False)
             runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
-    for r in runs:
+    for r in (r for r in runs if r.regime != "single"):
         reference = global_batch if r.regime == "strong" else per_gpu_batch
-        if r.regime == "single":
-            continue
         best = min(s.step_ms for s in runs if s.regime == "single" and s.per_gpu_batch == reference)
+        best_rate = reference / best  # images per ms of the best single-GPU run
         images = r.per_gpu_batch * r.gpus
-        r.speedup = (images / r.step_ms) / (reference / best)
-        if r.predicted:
-            r.predicted = (images / r.predicted) / (reference / best)
+        r.speedup = images / r.step_ms / best_rate
+        if r.predicted_ms:
+            r.predicted = images / r.predicted_ms / best_rate
     return runs
 
 

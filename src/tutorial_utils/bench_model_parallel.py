@@ -5,13 +5,10 @@
 
 Times forward + backward of one batch (bf16 autocast, channels_last; no optimizer step) on one
 device, split across devices naively, and pipelined with m micro-batches. The prediction for
-the pipeline comes from the stages timed alone on one micro-batch, t_s(b/m): the first
-micro-batch passes every stage, the other m-1 follow at the pace of the slowest one,
-
-    T(m) = sum_s t_s(b/m) + (m - 1) * max_s t_s(b/m),
-
-which for p equal stages is the bubble model (m+p-1) t(b/m), with t(b/m) measured, so it
-includes the fixed cost per micro-batch (launches, copies) that makes large m stop paying.
+the pipeline is :func:`~tutorial_utils.parallel.model_parallel.pipeline_ms` of the stages timed
+alone on one micro-batch, t_s(b/m): for p equal stages the bubble model (m+p-1) t(b/m), with
+t(b/m) measured, so it includes the fixed cost per micro-batch (launches, copies) that makes
+large m stop paying.
 """
 
 from __future__ import annotations
@@ -34,6 +31,7 @@ from .parallel.model_parallel import (
     balanced_boundaries,
     bubble_fraction,
     forward_flops,
+    pipeline_ms,
     split_sequential,
 )
 from .timing import benchmark
@@ -94,18 +92,14 @@ def run(model_name: str, batch: int, micro_batches: list[int], n_devices: int = 
     y = torch.randint(0, 10, (batch,), device=devices[0])
     # Stages of equal arithmetic, not equal parameter counts (see forward_flops).
     starts = balanced_boundaries(base, n_devices, forward_flops(base, torch.randn(2, 3, 32, 32)))
-    rows = []
     one = copy.deepcopy(base).to(devices[0])
-    rows.append(PipelineRow("1 device", None,
-                            benchmark(_fwd_bwd(one, x, y), repeats=repeats, device=devices[0])
-                            .median_ms))
+    rows = [PipelineRow("1 device", None, _timed(one, x, y, devices[:1], repeats))]
     naive = ModelParallel(copy.deepcopy(base), devices, starts)
     rows.append(PipelineRow(f"naive split, {n_devices} devices", 1,
                             _timed(naive, x, y, devices, repeats)))
     stages = split_sequential(copy.deepcopy(base), devices, starts)
     for m in micro_batches:
-        t = stage_times_ms(stages, devices, x[: batch // m], repeats)
-        predicted = sum(t) + (m - 1) * max(t)
+        predicted = pipeline_ms(stage_times_ms(stages, devices, x[: batch // m], repeats), m)
         pipe = PipelinedModelParallel(copy.deepcopy(base), devices, micro_batches=m,
                                       starts=starts)
         rows.append(PipelineRow(f"pipelined, m={m}", m, _timed(pipe, x, y, devices, repeats),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,16 +89,22 @@ def _split_member(name: str) -> tuple[str, str] | None:
     return (split, cls) if split in ("train", "test") and cls in CLASSES else None
 
 
-def _image_files(source: Path) -> Iterator[tuple[str, bytes]]:
+def _image_files(source: Path) -> Iterator[tuple[str, tuple[str, str], Callable[[], bytes]]]:
+    """(name, (split, class), read) for every CIFAR image in a folder or tarball.
+
+    Bytes are read only when asked for, so a ``limit_per_class`` skips the decoding work.
+    """
     if source.is_dir():
         for f in sorted(source.rglob("*")):
-            if f.is_file():
-                yield str(f.relative_to(source)), f.read_bytes()
+            key = _split_member(str(f))
+            if key and f.is_file():
+                yield str(f.relative_to(source)), key, f.read_bytes
         return
     with tarfile.open(source) as tar:  # streamed once, in archive order
         for member in tar:
-            if member.isfile() and _split_member(member.name):
-                yield member.name, tar.extractfile(member).read()
+            key = _split_member(member.name)
+            if key and member.isfile():
+                yield member.name, key, tar.extractfile(member).read
 
 
 def decode_image_folder(source: Path, limit_per_class: int | None = None) -> Cifar10:
@@ -107,14 +113,11 @@ def decode_image_folder(source: Path, limit_per_class: int | None = None) -> Cif
 
     found: dict[str, list[tuple[str, int, bytes]]] = {"train": [], "test": []}
     counts: dict[tuple[str, str], int] = {}
-    for name, payload in _image_files(source):
-        key = _split_member(name)
-        if key is None:
-            continue
+    for name, key, read in _image_files(source):
         if limit_per_class is not None and counts.get(key, 0) >= limit_per_class:
             continue
         counts[key] = counts.get(key, 0) + 1
-        found[key[0]].append((name, CLASSES.index(key[1]), payload))
+        found[key[0]].append((name, CLASSES.index(key[1]), read()))
     if not found["train"] or not found["test"]:
         raise DataError(
             f"{source} holds no train/<class>/*.jpg|png and test/<class>/* images; "

@@ -112,11 +112,21 @@ def bubble_fraction(stages: int, micro_batches: int) -> float:
     return (stages - 1) / (micro_batches + stages - 1)
 
 
+def pipeline_ms(stage_ms: list[float], micro_batches: int) -> float:
+    """Fill/drain step time from each stage's time on one micro-batch.
+
+    The first micro-batch passes every stage; the other m-1 follow at the pace of the
+    slowest one: sum_s t_s + (m-1) max_s t_s. For p equal stages that is (m+p-1) t.
+    """
+    return sum(stage_ms) + (micro_batches - 1) * max(stage_ms)
+
+
 def predicted_pipeline_ms(stage_ms: float, stages: int, micro_batches: int,
                           overhead_ms: float = 0.0) -> float:
     """Step time of p equal stages, each taking ``stage_ms`` for the whole batch.
 
-    Each of the m+p-1 ticks runs one micro-batch per busy stage (stage_ms/m) plus a fixed
-    per-micro-batch cost (kernel launches, copies) that does not shrink with the micro-batch.
+    One micro-batch costs stage_ms/m plus a fixed per-micro-batch cost (kernel launches,
+    copies) that does not shrink with the micro-batch.
     """
-    return (micro_batches + stages - 1) * (stage_ms / micro_batches + overhead_ms)
+    per_micro_batch = stage_ms / micro_batches + overhead_ms
+    return pipeline_ms([per_micro_batch] * stages, micro_batches)
