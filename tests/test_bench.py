@@ -4,16 +4,21 @@ from tutorial_utils.bench import run, table
 
 
 def test_scaling_benchmark_measures_both_regimes_against_single_runs():
-    runs = run("wrn-10-1", n=2, global_batch=8, per_gpu_batch=8, modes=("eager",), repeats=1)
+    runs = run("wrn-10-1", gpus=(2,), global_batch=8, per_gpu_batch=8, modes=("eager",), repeats=1)
     singles = [r for r in runs if r.regime == "single"]
     assert sorted(r.per_gpu_batch for r in singles) == [4, 8]
     strong = next(r for r in runs if r.regime == "strong" and r.method == "DDP")
     weak = next(r for r in runs if r.regime == "weak" and r.method == "DDP")
     assert (strong.per_gpu_batch, weak.per_gpu_batch) == (4, 8)
-    assert strong.speedup > 0 and weak.speedup > 0 and weak.predicted > 0
+    best8 = min(r.step_ms for r in singles if r.per_gpu_batch == 8)
+    # Both regimes are compared with the best single run at the global (strong) or per-GPU
+    # (weak) batch: 8 images per step on one device.
+    assert strong.speedup == pytest.approx(best8 / strong.step_ms)
+    assert weak.speedup == pytest.approx(2 * best8 / weak.step_ms)
+    assert weak.predicted > 0
     assert "speed-up" in table(runs)
 
 
 def test_global_batch_must_split_evenly():
     with pytest.raises(ValueError, match="not divisible by 3 GPUs"):
-        run("wrn-10-1", n=3, global_batch=128)
+        run("wrn-10-1", gpus=(2, 3), global_batch=128)

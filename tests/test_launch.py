@@ -31,6 +31,18 @@ def test_summary_without_torchrun_markers_falls_back_to_exit_code():
     assert failure_summary("nothing useful", 3) == "the job failed: exit code 3 (full output above)"
 
 
+def test_summary_sees_through_torchs_rank_tags():
+    output = "\n".join([
+        "[default0]:[rank0]: Traceback (most recent call last):",
+        "[default0]:[rank0]: RuntimeError: NCCL communicator was aborted",
+        "Root Cause (first observed failure):",
+        "  local_rank: 0 (pid: 12)",
+    ])
+    assert failure_summary(output, 1) == (
+        "rank 0 failed: RuntimeError: NCCL communicator was aborted (full output above)"
+    )
+
+
 def test_metrics_are_returned(tmp_path):
     script = tmp_path / "write.py"
     out = tmp_path / "m.jsonl"

@@ -1,6 +1,6 @@
 """The scaling benchmark of chapter 5: a Wide-ResNet on one GPU and on N with DDP.
 
-    python -m tutorial_utils.bench --gpus 2 --json runs/bench.json
+    python -m tutorial_utils.bench --gpus 2 4 --json runs/bench.json
 
 Strong scaling keeps the global batch (the Torch7 post split its 128 across the GPUs); weak
 scaling keeps the per-GPU batch. Each regime is measured eagerly and with CUDA graphs, with
@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .bench_data_parallel import time_data_parallel
+from .bench_data_parallel import time_data_parallel, time_ddp
 from .devices import gpu_count
-from .launch import torchrun
 from .parallel.data_parallel import ring_all_reduce_seconds
 from .speed import LADDER, LadderSize, measure_rung
 
@@ -53,6 +52,9 @@ class Run:
 
 def single(model: str, batch: int, mode: str, repeats: int) -> Run:
     dev = torch.device("cuda:0" if gpu_count() else "cpu")
+    # A fresh compilation per batch size: otherwise the second size recompiles the network
+    # with a symbolic batch dimension, which is slower than either specialised graph.
+    torch.compiler.reset()
     result = measure_rung(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
     if result.timing is None:
         raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
@@ -62,31 +64,29 @@ def single(model: str, batch: int, mode: str, repeats: int) -> Run:
 def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) -> Run:
     compile_mode = "none" if mode == "eager" else "reduce-overhead"
     device = "cuda" if gpu_count() >= n else "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ddp.jsonl"
-        args = ["--model", model, "--batch", str(per_gpu), "--repeats", str(repeats),
-                "--compile", compile_mode, "--device", device, "--out", str(out)]
-        (rec,) = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
-                          metrics_file=out, echo=False).metrics
+    rec = time_ddp(LadderSize(model, per_gpu, 5, repeats), n, device, compile_mode)
     ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
     return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
                predicted_ms=rec["no_sync_ms"] + ring_ms)
 
 
-def run(model: str = "wrn-28-10", n: int = 2, global_batch: int = 128, per_gpu_batch: int = 128,
-        modes: tuple[str, ...] = ("eager", "CUDA graphs"), repeats: int = 20) -> list[Run]:
-    if global_batch % n:
-        raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
-    strong_per_gpu = global_batch // n
-    runs: list[Run] = []
-    for batch in sorted({global_batch, per_gpu_batch, strong_per_gpu}):
-        runs += [single(model, batch, m, repeats) for m in modes]
-    for regime, per_gpu in (("strong", strong_per_gpu), ("weak", per_gpu_batch)):
-        runs += [ddp_run(model, per_gpu, n, mode, repeats, regime) for mode in modes]
-        if gpu_count() >= n >= 2:
-            size = LadderSize(model, per_gpu, 5, repeats)
-            ms = time_data_parallel(size, n, cudnn_benchmark=False)
-            runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
+def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int = 128,
+        per_gpu_batch: int = 128, modes: tuple[str, ...] = ("eager", "CUDA graphs"),
+        repeats: int = 20, data_parallel: bool = True) -> list[Run]:
+    """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups."""
+    for n in gpus:
+        if global_batch % n:
+            raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
+    # The single-GPU references, plus the per-GPU batch of strong scaling on two GPUs.
+    batches = sorted({global_batch, per_gpu_batch, global_batch // 2})
+    runs = [single(model, b, m, repeats) for b in batches for m in modes]
+    for n in gpus:
+        for regime, per_gpu in (("strong", global_batch // n), ("weak", per_gpu_batch)):
+            runs += [ddp_run(model, per_gpu, n, mode, repeats, regime) for mode in modes]
+            if data_parallel and gpu_count() >= n >= 2:
+                size = LadderSize(model, per_gpu, 5, repeats)
+                ms = time_data_parallel(size, n, cudnn_benchmark=False)
+                runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
     for r in (r for r in runs if r.regime != "single"):
         reference = global_batch if r.regime == "strong" else per_gpu_batch
         best = min(s.step_ms for s in runs if s.regime == "single" and s.per_gpu_batch == reference)
@@ -110,21 +110,55 @@ def table(runs: list[Run]) -> str:
     return "\n".join(lines)
 
 
+def plot(runs: list[Run], title: str):
+    """Speed-up of each multi-GPU run over the best single GPU, by regime and GPU count."""
+    import matplotlib.pyplot as plt
+
+    multi = [r for r in runs if r.regime != "single"]
+    groups = sorted({(r.regime, r.gpus) for r in multi}, key=lambda g: (g[0] != "strong", g[1]))
+    kinds = sorted({(r.method, r.mode) for r in multi}, reverse=True)
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(kinds)
+    for k, (method, mode) in enumerate(kinds):
+        for g, (regime, gpus) in enumerate(groups):
+            r = next((r for r in multi if (r.regime, r.gpus, r.method, r.mode)
+                      == (regime, gpus, method, mode)), None)
+            if r is None:
+                continue
+            x = g + (k - (len(kinds) - 1) / 2) * width
+            ax.bar(x, r.speedup, width, color=f"C{k}",
+                   label=f"{method}, {mode}" if g == 0 else None)
+            if r.predicted:
+                ax.plot(x, r.predicted, "k_", ms=12, mew=2,
+                        label="predicted (no overlap)" if (g, k) == (0, 0) else None)
+    for g, (_, gpus) in enumerate(groups):
+        ax.hlines(gpus, g - 0.45, g + 0.45, colors="grey", linestyles=":")  # perfect scaling
+    ax.set_xticks(range(len(groups)), [f"{regime}\n{gpus} GPUs" for regime, gpus in groups])
+    ax.set_ylabel("speed-up over the best 1-GPU run")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    return fig
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="wrn-28-10")
-    parser.add_argument("--gpus", type=int, default=max(gpu_count(), 2))
+    parser.add_argument("--gpus", type=int, nargs="+", default=[max(gpu_count(), 2)],
+                        help="GPU counts to scale to, e.g. 2 4 8")
     parser.add_argument("--global-batch", type=int, default=128, help="strong scaling")
     parser.add_argument("--per-gpu-batch", type=int, default=128, help="weak scaling")
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--no-data-parallel", action="store_true", help="skip nn.DataParallel")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     modes = tuple(args.modes)
     if gpu_count() == 0 and "CUDA graphs" in modes:
         print("no GPU: the CUDA-graphs runs are skipped")
         modes = tuple(m for m in modes if m != "CUDA graphs") or ("eager",)
-    runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes, args.repeats)
+    runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes, args.repeats,
+               data_parallel=not args.no_data_parallel)
     print(table(runs))
     print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
     if args.json:

@@ -51,7 +51,8 @@ class PipelineRow:
 def _fwd_bwd(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     def step() -> None:
         with _autocast(x.device):
-            loss = F.cross_entropy(model(x), y.to(x.device))
+            out = model(x)  # on the last stage's device when the model is split
+            loss = F.cross_entropy(out, y.to(out.device))
         loss.backward()
         model.zero_grad(set_to_none=True)
     return step
@@ -138,6 +139,30 @@ def table(rows: list[PipelineRow], stages: int) -> str:
         lines.append(f"{r.name:<28}{r.measured_ms:>9.2f}{r.speedup_over(naive):>9.2f}x"
                      f"{pred}{err}{bub}")
     return "\n".join(lines)
+
+
+def plot(rows: list[PipelineRow], stages: int, title: str):
+    """Speed-up over the naive split against m: measured, predicted, and the bare bubble model."""
+    import matplotlib.pyplot as plt
+
+    naive = rows[1].measured_ms
+    piped = [r for r in rows if r.predicted_ms]
+    m = [r.micro_batches for r in piped]
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    # Equal stages and no cost per micro-batch: p t against (m+p-1) t/m.
+    ax.plot(m, [stages * k / (k + stages - 1) for k in m], "k:", label="bubble model alone")
+    ax.plot(m, [naive / r.predicted_ms for r in piped], "s--", color="#dd8452",
+            label="predicted from stage times")
+    ax.plot(m, [naive / r.measured_ms for r in piped], "o-", color="#4c72b0", label="measured")
+    ax.axhline(naive / rows[0].measured_ms, color="grey", lw=1, label="one device")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(m, [str(k) for k in m])
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("speed-up over the naive split")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+_RANK_TAG = re.compile(r"^\s*\[rank\d+\]:")  # torch tags lines once a process group exists
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
 
 
@@ -55,7 +56,7 @@ def failure_summary(output: str, returncode: int) -> str:
     for line in output.splitlines():
         prefixed = _PREFIX.match(line)
         if prefixed and (rank is None or prefixed.group(1) == rank):
-            text = prefixed.group(2).strip()
+            text = _RANK_TAG.sub("", prefixed.group(2)).strip()
             if _EXCEPTION.match(text):
                 last_error, rank = text, prefixed.group(1)
     who = f"rank {rank}" if rank is not None else "the job"
@@ -81,7 +82,8 @@ def _stream(proc: subprocess.Popen, deadline: float, echo: bool) -> tuple[list[s
             print(lines[-1], flush=True)
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Stop a process started with ``start_new_session=True`` and all its children."""
     for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
@@ -130,7 +132,7 @@ def torchrun(
         lines, timed_out = _stream(proc, time.monotonic() + timeout_s, echo)
     finally:
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_tree(proc)
     proc.wait()
     output = "\n".join(lines)
     if timed_out:

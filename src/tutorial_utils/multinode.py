@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .devices import gpu_count
-from .launch import LaunchError, LaunchResult, _kill_tree, failure_summary, read_metrics
+from .launch import LaunchError, LaunchResult, failure_summary, kill_tree, read_metrics
 
 
 def free_port() -> int:
@@ -81,7 +81,7 @@ def simulate_nodes(
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p)
+                kill_tree(p)
     text = "\n".join(f"[node {i}] {line}" for i, out in enumerate(outputs) for line in out)
     if timed_out:
         raise LaunchError(f"timed out after {timeout_s:.0f} s; all nodes were killed", text)

@@ -70,6 +70,8 @@ class TrainConfig:
     checkpoint_every: int = opt(1, "epochs between checkpoints (0: never)")
     resume: bool = opt(False, "continue from <out>/checkpoint.pt")
     seed: int = opt(0, "seed for initialisation, data order and augmentation")
+    deterministic: bool = opt(
+        False, "deterministic kernels (no cuDNN autotuning): runs repeat bit for bit, slower")
     crash_at_step: int | None = opt(
         None, "fault-tolerance demo: the last rank dies (SIGKILL) at this global step, on the "
         "first attempt only (torchrun restarts count from 0)")
@@ -131,8 +133,10 @@ class Trainer:
         fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout).to(ctx.device,
                                                                               memory_format=fmt)
-        model = ddp(self.net, ctx)
-        self.model = model if cfg.compile == "none" else torch.compile(model, mode=cfg.compile)
+        # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA graphs
+        # and DDP all-reduces the gradients when the compiled backward has produced them.
+        net = self.net if cfg.compile == "none" else torch.compile(self.net, mode=cfg.compile)
+        self.model = ddp(net, ctx)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
         self.optimizer = torch.optim.SGD(
@@ -258,8 +262,13 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     from .stamp import environment_stamp
 
     if ctx.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest kernels once
+        # Fixed shapes: let cuDNN time its kernels once and keep the fastest, unless the run
+        # must repeat exactly (the fastest kernels may sum in a different order each time).
+        torch.backends.cudnn.benchmark = not cfg.deterministic
         torch.backends.cuda.matmul.allow_tf32 = True
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
+        torch.use_deterministic_algorithms(True, warn_only=True)
     data = _load_data(cfg, ctx)
     trainer = Trainer(cfg, ctx, data)
     if cfg.resume and trainer.checkpoint_path.exists():

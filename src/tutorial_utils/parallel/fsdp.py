@@ -13,6 +13,7 @@ activations, is what does not fit.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 def measure(mode: str, ctx: DistContext, args: argparse.Namespace) -> dict:
     dev = ctx.device
     if dev.type == "cuda":
+        gc.collect()  # the previous mode's model may sit in a reference cycle
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
     torch.manual_seed(0)  # same weights in both modes
