@@ -82,7 +82,10 @@ def test_bubble_model():
 
 
 @pytest.mark.multigpu
-def test_split_over_two_gpus_matches_one_gpu():
+def test_split_over_two_gpus_matches_one_gpu(monkeypatch):
+    # cuDNN convolutions default to TF32 (10-bit mantissa), and micro-batches of another size
+    # get other kernels: compare in full fp32 so that only summation order differs.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     torch.manual_seed(0)
     ref = wide_resnet("wrn-10-1").cuda()
     devs = [torch.device("cuda:0"), torch.device("cuda:1")]
