@@ -1,6 +1,9 @@
+import matplotlib
 import pytest
 
-from tutorial_utils.bench import run, table
+matplotlib.use("Agg")
+
+from tutorial_utils.bench import plot, run, table  # noqa: E402
 
 
 def test_scaling_benchmark_measures_both_regimes_against_single_runs():
@@ -17,6 +20,8 @@ def test_scaling_benchmark_measures_both_regimes_against_single_runs():
     assert weak.speedup == pytest.approx(2 * best8 / weak.step_ms)
     assert weak.predicted > 0
     assert "speed-up" in table(runs)
+    fig = plot(runs, "tiny")
+    assert len(fig.axes[0].patches) == 2  # one bar per multi-GPU run: strong and weak DDP
 
 
 def test_global_batch_must_split_evenly():
