@@ -27,3 +27,19 @@ def test_scaling_benchmark_measures_both_regimes_against_single_runs():
 def test_global_batch_must_split_evenly():
     with pytest.raises(ValueError, match="not divisible by 3 GPUs"):
         run("wrn-10-1", gpus=(2, 3), global_batch=128)
+
+
+def test_bad_gpu_counts_are_one_line_errors(capsys, monkeypatch):
+    from tutorial_utils import bench
+
+    with pytest.raises(SystemExit) as err:
+        bench.main(["--gpus", "3", "--global-batch", "128"])
+    assert err.value.code == 2
+    assert "global batch 128 is not divisible by 3 GPUs" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="2 or more GPUs"):
+        run("wrn-10-1", gpus=(1,))
+    monkeypatch.setattr(bench, "gpu_count", lambda: 2)
+    monkeypatch.setattr("tutorial_utils.devices.gpu_count", lambda: 2)
+    with pytest.raises(SystemExit):
+        bench.main(["--gpus", "4"])
+    assert "asked for 4 GPU(s) but this machine has 2" in capsys.readouterr().err

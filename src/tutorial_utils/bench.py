@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .bench_data_parallel import time_data_parallel, time_ddp
-from .devices import gpu_count
+from .devices import NotEnoughGPUsError, gpu_count, require_gpus
 from .parallel.data_parallel import ring_all_reduce_seconds
 from .speed import LADDER, LadderSize, measure_rung
 
@@ -73,10 +73,18 @@ def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: s
 def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int = 128,
         per_gpu_batch: int = 128, modes: tuple[str, ...] = ("eager", "CUDA graphs"),
         repeats: int = 20, data_parallel: bool = True) -> list[Run]:
-    """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups."""
+    """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups.
+
+    Without GPUs the "GPUs" are CPU processes; with GPUs, asking for more than there are is an
+    error rather than a silent run on the CPU.
+    """
     for n in gpus:
+        if n < 2:
+            raise ValueError(f"scaling needs 2 or more GPUs per run, got {n}")
         if global_batch % n:
             raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
+        if gpu_count():
+            require_gpus(n)
     # The single-GPU references, plus the per-GPU batch of strong scaling on two GPUs.
     batches = sorted({global_batch, per_gpu_batch, global_batch // 2})
     runs = [single(model, b, m, repeats) for b in batches for m in modes]
@@ -157,8 +165,11 @@ def main(argv: list[str] | None = None) -> None:
     if gpu_count() == 0 and "CUDA graphs" in modes:
         print("no GPU: the CUDA-graphs runs are skipped")
         modes = tuple(m for m in modes if m != "CUDA graphs") or ("eager",)
-    runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes, args.repeats,
-               data_parallel=not args.no_data_parallel)
+    try:
+        runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes,
+                   args.repeats, data_parallel=not args.no_data_parallel)
+    except (ValueError, NotEnoughGPUsError) as err:
+        parser.error(str(err))
     print(table(runs))
     print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
     if args.json:
