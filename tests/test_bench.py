@@ -3,7 +3,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from tutorial_utils.bench import plot, run, table  # noqa: E402
+from tutorial_utils.bench import best_run, plot, run, table  # noqa: E402
 
 
 def test_scaling_benchmark_measures_both_regimes_against_single_runs():
@@ -20,6 +20,8 @@ def test_scaling_benchmark_measures_both_regimes_against_single_runs():
     assert weak.speedup == pytest.approx(2 * best8 / weak.step_ms)
     assert weak.predicted > 0
     assert "speed-up" in table(runs)
+    assert best_run(runs, "single", "1 GPU", batch=8).step_ms == best8
+    assert best_run(runs, "weak") is weak and best_run(runs, "weak", "DataParallel") is None
     fig = plot(runs, "tiny")
     assert len(fig.axes[0].patches) == 2  # one bar per multi-GPU run: strong and weak DDP
 

@@ -62,8 +62,8 @@ def single(model: str, batch: int, mode: str, repeats: int) -> Run:
 
 
 def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) -> Run:
-    compile_mode = "none" if mode == "eager" else "reduce-overhead"
-    device = "cuda" if gpu_count() >= n else "cpu"
+    compile_mode = MODES[mode].compile_mode or "none"  # the same step as the single-GPU run
+    device = "cuda" if gpu_count() else "cpu"  # run() has checked that there are n GPUs
     rec = time_ddp(LadderSize(model, per_gpu, 5, repeats), n, device, compile_mode)
     ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
     return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
@@ -91,7 +91,7 @@ def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int 
     for n in gpus:
         for regime, per_gpu in (("strong", global_batch // n), ("weak", per_gpu_batch)):
             runs += [ddp_run(model, per_gpu, n, mode, repeats, regime) for mode in modes]
-            if data_parallel and gpu_count() >= n >= 2:
+            if data_parallel and gpu_count():
                 size = LadderSize(model, per_gpu, 5, repeats)
                 ms = time_data_parallel(size, n, cudnn_benchmark=False)
                 runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
@@ -104,6 +104,15 @@ def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int 
         if r.predicted_ms:
             r.predicted = images / r.predicted_ms / best_rate
     return runs
+
+
+def best_run(runs: list[Run], regime: str, method: str = "DDP", mode: str | None = None,
+             gpus: int | None = None, batch: int | None = None) -> Run | None:
+    """The fastest run matching the filters (``None`` matches anything), or None."""
+    found = [r for r in runs if (r.regime, r.method) == (regime, method)
+             and mode in (None, r.mode) and gpus in (None, r.gpus)
+             and batch in (None, r.per_gpu_batch)]
+    return max(found, key=lambda r: r.per_gpu_batch * r.gpus / r.step_ms, default=None)
 
 
 def table(runs: list[Run]) -> str:
