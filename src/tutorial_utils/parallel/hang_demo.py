@@ -5,13 +5,17 @@
 Rank 0 enters an all-reduce; the last rank, standing for a rank stuck elsewhere (a data
 loader, a different branch of an ``if``), never does. Without a timeout rank 0 would wait
 forever; with the process group's timeout it raises an error naming the operation, and
-torchrun stops the job. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report mismatched
-collectives (different operations or shapes on different ranks) by name.
+torchrun stops the job. With NCCL the collective runs on the GPU and the host does not wait for
+it unless ``TORCH_NCCL_BLOCKING_WAIT=1``: then waiting for it raises once the timeout has
+passed (otherwise only the watchdog thread notices, and one run on 2 H200s showed it not
+ending the job within two minutes). ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report
+mismatched collectives (different operations or shapes on different ranks) by name.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -26,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="process-group timeout, s")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # read when the NCCL group starts
     with distributed(args.device, timeout_s=args.timeout) as ctx:
         if ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank}: busy elsewhere, never joining the all-reduce", flush=True)
@@ -34,9 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rank {ctx.rank}: entering all-reduce (timeout {args.timeout:.0f} s)", flush=True)
         t = torch.ones(1, device=ctx.device)
         try:
-            dist.all_reduce(t)
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()  # NCCL reports the timeout from its watchdog
+            dist.all_reduce(t)  # waits for the result: raises after the timeout
         except RuntimeError as err:  # DistBackendError is a RuntimeError too
             print(f"{type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
             sys.exit(1)
