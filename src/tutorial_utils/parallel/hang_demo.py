@@ -5,10 +5,11 @@
 Rank 0 enters an all-reduce; the last rank, standing for a rank stuck elsewhere (a data
 loader, a different branch of an ``if``), never does. Without a timeout rank 0 would wait
 forever; with the process group's timeout it raises an error naming the operation, and
-torchrun stops the job. With NCCL the collective runs on the GPU and the host does not wait for
-it unless ``TORCH_NCCL_BLOCKING_WAIT=1``: then waiting for it raises once the timeout has
-passed (otherwise only the watchdog thread notices, and one run on 2 H200s showed it not
-ending the job within two minutes). ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report
+torchrun stops the job. That is what happens with gloo. With NCCL on 2 H200s (torch 2.11)
+the timeout never fired: this all-reduce is the first collective, NCCL connects the ranks inside
+that call, and rank 0 stays blocked there before any timeout clock starts, even with
+``TORCH_NCCL_BLOCKING_WAIT=1`` (``scripts/probes/nccl_hang.py``); the launcher's timeout ends
+the job. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report
 mismatched collectives (different operations or shapes on different ranks) by name.
 """
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=10.0, help="process-group timeout, s")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
-    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # read when the NCCL group starts
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # measured: no effect on the hang
     with distributed(args.device, timeout_s=args.timeout) as ctx:
         if ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank}: busy elsewhere, never joining the all-reduce", flush=True)
