@@ -5,7 +5,6 @@ PYTHON     ?= python3
 VENV       ?= .venv
 NB         ?= $(sort $(wildcard notebooks/*.ipynb))
 # Chapters waiting for their GPU run: checked on the CPU like the others, not yet for stale outputs.
-DRAFTS     ?= $(sort $(wildcard notebooks/drafts/*.ipynb))
 WHEELHOUSE ?=
 WHEELHOUSE_PYTHON ?= 3.12
 
@@ -45,7 +44,7 @@ serve: book
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest -q tests
-	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB) $(DRAFTS)
+	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
 	$(PY) -m tutorial_utils.nbtools check $(NB)
 	$(JB) build . --all --warningiserror --keep-going
 
