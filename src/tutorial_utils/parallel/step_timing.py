@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..models import wide_resnet
 from ..timing import benchmark
-from .data_parallel import ddp, measure_bus_bandwidth
+from .data_parallel import compile_for_ddp, ddp, measure_bus_bandwidth
 from .distributed import distributed
 
 
@@ -44,8 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
         # Compiled inside DDP: the compiled backward produces all gradients, then DDP's
         # buckets are all-reduced (less overlap, but the step itself can be a CUDA graph).
-        inner = net if args.compile == "none" else torch.compile(net, mode=args.compile)
-        model = ddp(inner, ctx)
+        model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
         x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
         y = torch.randint(0, 10, (args.batch,), device=dev)
