@@ -69,6 +69,33 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+
+def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
+    straight = tiny(tmp_path / "a", epochs=1, dropout=0.3)
+    run(straight, CPU)
+
+    original_init = train_mod.Trainer.__post_init__
+
+    def warmed_up(self):  # the warm-up a compiled run gets, on an eager one
+        original_init(self)
+        assert self.warm_up(steps=2) > 0
+
+    monkeypatch.setattr(train_mod.Trainer, "__post_init__", warmed_up)
+    warm = tiny(tmp_path / "b", epochs=1, dropout=0.3)
+    run(warm, CPU)
+    a, b = weights(straight), weights(warm)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # weights and BatchNorm statistics
+
+
+def test_test_time_augmentation_adds_the_mirror_image(tmp_path, monkeypatch):
+    seen = []
+    cfg = tiny(tmp_path, epochs=1, tta=True)
+    trainer = train_mod.Trainer(cfg, CPU, synthetic_cifar10(64, 32))
+    forward = trainer.model.forward
+    monkeypatch.setattr(trainer.model, "forward", lambda x: seen.append(x) or forward(x))
+    assert 0 <= trainer.evaluate() <= 1
+    assert len(seen) == 2 and torch.equal(seen[1], torch.flip(seen[0], dims=[3]))
+
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"epoch": 1, "config": {}})

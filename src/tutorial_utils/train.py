@@ -55,6 +55,8 @@ class TrainConfig:
     momentum: float = opt(0.9, "SGD momentum")
     nesterov: bool = opt(True, "Nesterov momentum")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
+    tta: bool = opt(False, "test-time augmentation: classify each test image and its mirror "
+                    "image, summing the two outputs")
     bf16: bool = opt(True, "bf16 autocast")
     channels_last: bool = opt(True, "channels_last memory format")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
@@ -192,14 +194,8 @@ class Trainer:
         for i, (x, y) in enumerate(_progress(loader, self.ctx, epoch, cfg.epochs)):
             if cfg.crash_at_step == first_step + i:
                 self._simulated_crash(first_step + i)
-            if x.dtype == torch.uint8:  # DataLoader batches arrive as bytes on the host
-                x = normalize(x.to(dev, non_blocking=True), cfg.channels_last)
-                y = y.to(dev, non_blocking=True)
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-                out = self.model(x)
-                loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            x, y = self._on_device(x, y)
+            out, loss = self._forward_backward(x, y)
             self.optimizer.step()
             self.scheduler.step()
             # Accumulate on the device: a .item() per step would stall the GPU queue.
@@ -212,6 +208,47 @@ class Trainer:
                                                       correct.item(), seen)
         return {"epoch_time_s": seconds, "images_per_s": n / seconds,
                 "train_loss": loss_total / n, "train_acc": correct_total / n}
+
+    def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.uint8:  # DataLoader batches arrive as bytes on the host
+            dev = self.ctx.device
+            x = normalize(x.to(dev, non_blocking=True), self.cfg.channels_last)
+            y = y.to(dev, non_blocking=True)
+        return x, y
+
+    def _forward_backward(self, x: torch.Tensor,
+                          y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            out = self.model(x)
+            loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        return out, loss
+
+    def warm_up(self, steps: int = 3) -> float:
+        """Compile the step (and capture its CUDA graphs) before the clock starts; seconds taken.
+
+        Runs forward and backward on the first batch ``steps`` times, without an optimizer step,
+        then puts back the weights, BatchNorm statistics and random generators: the training
+        that follows is the one it would have been without the warm-up.
+        """
+        dev = self.ctx.device
+        saved = {k: v.clone() for k, v in self.net.state_dict().items()}
+        rng = rng_state(dev)
+        synchronize(dev)
+        t0 = time.perf_counter()
+        self.model.train()
+        x, y = self._on_device(*next(iter(self.train_loader)))
+        for _ in range(steps):
+            self._forward_backward(x, y)
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():  # in place: compiled graphs keep pointing at the same tensors
+            for k, v in self.net.state_dict().items():
+                v.copy_(saved[k])
+        set_rng_state(rng, dev)
+        synchronize(dev)
+        return time.perf_counter() - t0
 
     def _simulated_crash(self, step: int) -> None:
         first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -226,7 +263,10 @@ class Trainer:
         seen = 0
         for x, y in self.test_loader:
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                correct += (self.model(x).argmax(1) == y).sum()
+                out = self.model(x)
+                if self.cfg.tta:
+                    out = out + self.model(torch.flip(x, dims=[3]))
+                correct += (out.argmax(1) == y).sum()
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
         return total_correct / n
@@ -272,6 +312,7 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     trainer = Trainer(cfg, ctx, data)
     if cfg.resume and trainer.checkpoint_path.exists():
         trainer.restore()
+    warmup_s = trainer.warm_up() if cfg.compile != "none" else 0.0
     metrics = cfg.out / "metrics.jsonl"
     if ctx.is_main:
         cfg.out.mkdir(parents=True, exist_ok=True)
@@ -282,6 +323,7 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
             "synthetic_data": data.synthetic, "world_size": ctx.world_size,
             "per_gpu_batch": trainer.per_gpu, "global_batch": trainer.global_batch,
             "peak_lr": cfg.peak_lr(ctx.world_size), "start_epoch": trainer.start_epoch,
+            "compile_warmup_s": warmup_s,
             "stamp": environment_stamp().as_dict(),
         })
         if data.synthetic:
