@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from .bench_data_parallel import time_data_parallel, time_ddp
+from .bench_data_parallel import measure_single, time_data_parallel, time_ddp
 from .devices import NotEnoughGPUsError, gpu_count, require_gpus
 from .parallel.data_parallel import ring_all_reduce_seconds
-from .speed import LADDER, LadderSize, measure_rung
+from .speed import LADDER, LadderSize
 
 TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
@@ -55,7 +55,7 @@ def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
     # A fresh compilation per batch size: otherwise the second size recompiles the network
     # with a symbolic batch dimension, which is slower than either specialised graph.
     torch.compiler.reset()
-    result = measure_rung(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
+    result = measure_single(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
     if result.timing is None:
         raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
     return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
