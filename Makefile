@@ -4,7 +4,6 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 NB         ?= $(sort $(wildcard notebooks/*.ipynb))
-# Chapters waiting for their GPU run: checked on the CPU like the others, not yet for stale outputs.
 WHEELHOUSE ?=
 WHEELHOUSE_PYTHON ?= 3.12
 

@@ -69,7 +69,6 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-
 def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
     straight = tiny(tmp_path / "a", epochs=1, dropout=0.3)
     run(straight, CPU)
@@ -95,6 +94,7 @@ def test_test_time_augmentation_adds_the_mirror_image(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.model, "forward", lambda x: seen.append(x) or forward(x))
     assert 0 <= trainer.evaluate() <= 1
     assert len(seen) == 2 and torch.equal(seen[1], torch.flip(seen[0], dims=[3]))
+
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
