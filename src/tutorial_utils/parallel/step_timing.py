@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.backends.cudnn.benchmark = True
         torch.manual_seed(0)
         net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
-        # Compiled inside DDP: the compiled backward produces all gradients, then DDP's
-        # buckets are all-reduced (less overlap, but the step itself can be a CUDA graph).
+        # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced after
+        # backward (compile_for_ddp says why).
         model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
         x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
