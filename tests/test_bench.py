@@ -45,3 +45,17 @@ def test_bad_gpu_counts_are_one_line_errors(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         bench.main(["--gpus", "4"])
     assert "asked for 4 GPU(s) but this machine has 2" in capsys.readouterr().err
+
+
+def test_single_gpu_reference_is_autotuned_like_the_ddp_workers(monkeypatch):
+    import torch
+
+    from tutorial_utils import bench_data_parallel
+    from tutorial_utils.speed import LADDER, LadderSize
+
+    seen = []
+    monkeypatch.setattr(bench_data_parallel, "measure_rung",
+                        lambda *a: seen.append(torch.backends.cudnn.benchmark))
+    before = torch.backends.cudnn.benchmark
+    bench_data_parallel.measure_single(LADDER[3], LadderSize("wrn-10-1", 2, 1, 1), "cpu")
+    assert seen == [True] and torch.backends.cudnn.benchmark == before

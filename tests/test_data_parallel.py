@@ -5,10 +5,12 @@ from torch import nn
 from tutorial_utils.bench_data_parallel import Row, table
 from tutorial_utils.devices import default_device
 from tutorial_utils.parallel.data_parallel import (
+    compile_for_ddp,
     data_parallel_forward,
     make_data_parallel,
     ring_all_reduce_seconds,
 )
+from tutorial_utils.parallel.distributed import DistContext
 
 
 def test_ring_model():
@@ -39,3 +41,18 @@ def test_hand_written_data_parallel_forward_matches_nn_data_parallel():
     manual = data_parallel_forward(net, x, devices)
     torch.testing.assert_close(manual, nn.DataParallel(net)(x))
     torch.testing.assert_close(manual, net(x))
+
+
+def test_cuda_graphs_under_ddp_compile_the_network_as_one_graph():
+    net = nn.Linear(4, 2)
+    one, two = (DistContext(rank=0, local_rank=0, world_size=n, device=torch.device("cpu"))
+                for n in (1, 2))
+    assert compile_for_ddp(net, "none", two) is net
+    with torch._dynamo.config.patch(optimize_ddp=True):
+        compile_for_ddp(net, "reduce-overhead", one)
+        assert torch._dynamo.config.optimize_ddp  # one process: nothing to split for
+        compile_for_ddp(net, "default", two)
+        assert torch._dynamo.config.optimize_ddp  # no CUDA graphs: keep DDP's overlap
+        compiled = compile_for_ddp(net, "reduce-overhead", two)
+        assert not torch._dynamo.config.optimize_ddp
+    assert compiled is not net and compiled._orig_mod is net

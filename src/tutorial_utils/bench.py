@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from .bench_data_parallel import time_data_parallel, time_ddp
+from .bench_data_parallel import measure_single, time_data_parallel, time_ddp
 from .devices import NotEnoughGPUsError, gpu_count, require_gpus
 from .parallel.data_parallel import ring_all_reduce_seconds
-from .speed import LADDER, LadderSize, measure_rung
+from .speed import LADDER, LadderSize
 
 TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
@@ -50,20 +50,20 @@ class Run:
         return TRAIN_IMAGES / self.images_per_s
 
 
-def single(model: str, batch: int, mode: str, repeats: int) -> Run:
-    dev = torch.device("cuda:0" if gpu_count() else "cpu")
+def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
+    dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     # A fresh compilation per batch size: otherwise the second size recompiles the network
     # with a symbolic batch dimension, which is slower than either specialised graph.
     torch.compiler.reset()
-    result = measure_rung(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
+    result = measure_single(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
     if result.timing is None:
         raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
     return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
 
 
-def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str) -> Run:
+def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str,
+            device: str) -> Run:
     compile_mode = MODES[mode].compile_mode or "none"  # the same step as the single-GPU run
-    device = "cuda" if gpu_count() else "cpu"  # run() has checked that there are n GPUs
     rec = time_ddp(LadderSize(model, per_gpu, 5, repeats), n, device, compile_mode)
     ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
     return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
@@ -72,26 +72,28 @@ def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: s
 
 def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int = 128,
         per_gpu_batch: int = 128, modes: tuple[str, ...] = ("eager", "CUDA graphs"),
-        repeats: int = 20, data_parallel: bool = True) -> list[Run]:
+        repeats: int = 20, data_parallel: bool = True, device: str | None = None) -> list[Run]:
     """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups.
 
-    Without GPUs the "GPUs" are CPU processes; with GPUs, asking for more than there are is an
-    error rather than a silent run on the CPU.
+    ``device`` "cpu" makes the "GPUs" CPU processes (the default without GPUs); on "cuda"
+    (the default with GPUs) asking for more GPUs than there are is an error rather than a
+    silent run on the CPU.
     """
+    device = device or ("cuda" if gpu_count() else "cpu")
     for n in gpus:
         if n < 2:
             raise ValueError(f"scaling needs 2 or more GPUs per run, got {n}")
         if global_batch % n:
             raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
-        if gpu_count():
+        if device == "cuda":
             require_gpus(n)
     # The single-GPU references, plus the per-GPU batch of strong scaling on two GPUs.
     batches = sorted({global_batch, per_gpu_batch, global_batch // 2})
-    runs = [single(model, b, m, repeats) for b in batches for m in modes]
+    runs = [single(model, b, m, repeats, device) for b in batches for m in modes]
     for n in gpus:
         for regime, per_gpu in (("strong", global_batch // n), ("weak", per_gpu_batch)):
-            runs += [ddp_run(model, per_gpu, n, mode, repeats, regime) for mode in modes]
-            if data_parallel and gpu_count():
+            runs += [ddp_run(model, per_gpu, n, mode, repeats, regime, device) for mode in modes]
+            if data_parallel and device == "cuda":
                 size = LadderSize(model, per_gpu, 5, repeats)
                 ms = time_data_parallel(size, n, cudnn_benchmark=False)
                 runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))

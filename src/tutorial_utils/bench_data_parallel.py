@@ -12,8 +12,10 @@ a ring all-reduce at the measured bus bandwidth.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,14 +39,33 @@ class Row:
     note: str = ""
 
 
+@contextlib.contextmanager
+def cudnn_autotuning(enabled: bool = True) -> Iterator[None]:
+    """Let cuDNN time its algorithms for each new shape (``cudnn.benchmark``), then restore.
+
+    Every run that is compared here uses it — one GPU and the DDP workers alike — except the
+    ``DataParallel`` run that shows what it costs there.
+    """
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = old
+
+
+def measure_single(rung, size: LadderSize, device: torch.device):
+    """:func:`~tutorial_utils.speed.measure_rung` with cuDNN autotuning, like the DDP workers."""
+    with cudnn_autotuning():
+        return measure_rung(rung, size, device)
+
+
 def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> float:
     """Median step time (ms) of ``nn.DataParallel`` over ``n_gpus`` at ``size.batch`` per GPU.
 
     With autotuning on, a step can take many times longer, so fewer repeats are timed.
     """
-    old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = cudnn_benchmark
-    try:
+    with cudnn_autotuning(cudnn_benchmark):
         torch.manual_seed(0)
         net = wide_resnet(size.model).to(memory_format=torch.channels_last)
         model = make_data_parallel(net, n_gpus)
@@ -55,8 +76,6 @@ def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> 
         step = TrainStep(model, model, opt, x.to(memory_format=torch.channels_last), y, bf16=True)
         warmup, repeats = (1, 5) if cudnn_benchmark else (size.warmup, size.repeats)
         return benchmark(step, warmup=warmup, repeats=repeats, device=dev).median_ms
-    finally:
-        torch.backends.cudnn.benchmark = old
 
 
 def time_ddp(size: LadderSize, n: int, device: str, compile_mode: str = "none",
@@ -77,9 +96,9 @@ def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], 
     the prediction of chapter 4's model for it."""
     on_gpu = gpu_count() >= 1
     dev = torch.device("cuda:0" if on_gpu else "cpu")
-    singles = [measure_rung(LADDER[3], size, dev)]
+    singles = [measure_single(LADDER[3], size, dev)]
     if graphs and on_gpu:
-        singles.append(measure_rung(LADDER[-1], size, dev))
+        singles.append(measure_single(LADDER[-1], size, dev))
     rows = [Row(f"1 GPU, {r.rung.name.lstrip('+ ')}" if on_gpu else f"CPU, {r.rung.name}", 1,
                 r.timing.median_ms) for r in singles]
     if gpu_count() >= n_gpus >= 2:

@@ -26,7 +26,7 @@ from .config import ConfigError, parse, to_dict
 from .data import Cifar10, DataError, DeviceLoader, dataloader, load_cifar10, normalize
 from .devices import NotEnoughGPUsError
 from .models import WideResNet
-from .parallel.data_parallel import ddp
+from .parallel.data_parallel import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum, distributed
 from .timing import synchronize
 
@@ -137,12 +137,7 @@ class Trainer:
                                                                               memory_format=fmt)
         # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA graphs
         # and DDP all-reduces the gradients when the compiled backward has produced them.
-        # Kept as one graph: split per gradient bucket (the default), the all-reduces launched
-        # between the CUDA graphs made a 64-image step on 2 H200s 1.6x slower (chapter 5b).
-        if cfg.compile == "reduce-overhead" and ctx.is_distributed:
-            torch._dynamo.config.optimize_ddp = False
-        net = self.net if cfg.compile == "none" else torch.compile(self.net, mode=cfg.compile)
-        self.model = ddp(net, ctx)
+        self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
         self.optimizer = torch.optim.SGD(

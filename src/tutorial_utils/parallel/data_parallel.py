@@ -87,6 +87,22 @@ def ddp(model: nn.Module, ctx: DistContext, **kwargs) -> nn.Module:
     return DistributedDataParallel(model, device_ids=ids, **kwargs)
 
 
+def compile_for_ddp(net: nn.Module, mode: str, ctx: DistContext) -> nn.Module:
+    """``torch.compile`` a network that :func:`ddp` will wrap; mode "none" leaves it eager.
+
+    By default ``torch.compile`` cuts a network under DDP into one graph per gradient bucket,
+    so that each bucket's all-reduce overlaps the rest of backward. With "reduce-overhead"
+    (CUDA graphs) the network stays one graph instead: the all-reduces launched between the
+    pieces made a 64-image WRN-28-10 step on 2 H200s 1.6x slower than one graph whose
+    gradients are all-reduced after backward (chapter 5b). The setting is process-wide.
+    """
+    if mode == "none":
+        return net
+    if mode == "reduce-overhead" and ctx.is_distributed:
+        torch._dynamo.config.optimize_ddp = False
+    return torch.compile(net, mode=mode)
+
+
 def ring_all_reduce_seconds(nbytes: float, world_size: int, bus_gbps: float) -> float:
     """Time of a ring all-reduce of ``nbytes``: each GPU sends and receives 2(N-1)/N of it.
 

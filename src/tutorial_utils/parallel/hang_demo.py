@@ -2,15 +2,20 @@
 
     torchrun --standalone --nproc_per_node=2 -m tutorial_utils.parallel.hang_demo --timeout 10
 
-Rank 0 enters an all-reduce; the last rank, standing for a rank stuck elsewhere (a data
-loader, a different branch of an ``if``), never does. Without a timeout rank 0 would wait
-forever; with the process group's timeout it raises an error naming the operation, and
-torchrun stops the job. That is what happens with gloo. With NCCL on 2 H200s (torch 2.11)
-the timeout never fired: this all-reduce is the first collective, NCCL connects the ranks inside
-that call, and rank 0 stays blocked there before any timeout clock starts, with or without
-``TORCH_NCCL_BLOCKING_WAIT=1`` (``scripts/probes/nccl_hang.py``); the launcher's timeout ends
-the job. ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report mismatched collectives
-(different operations or shapes on different ranks) by name.
+All ranks first complete one all-reduce, as a job does in its first steps. Then rank 0 enters
+a second all-reduce that the last rank, standing for a rank stuck elsewhere (a data loader, a
+different branch of an ``if``), never joins. Without a timeout rank 0 would wait forever; with
+the process group's timeout the job fails, and torchrun stops it:
+
+- gloo: the all-reduce call itself raises once the timeout has passed;
+- NCCL: the call returns at once (the GPU waits, not the host), the host blocks when it reads
+  the result, and NCCL's watchdog thread aborts the collective and the process at the timeout.
+
+The first all-reduce matters with NCCL: it connects the ranks inside that first call, which
+needs every rank, so a rank missing from it leaves the others blocked there before any timeout
+clock starts (measured on 2 H200s with torch 2.11: ``scripts/probes/nccl_hang.py``).
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report mismatched collectives (different
+operations or shapes on different ranks) by name.
 """
 
 from __future__ import annotations
@@ -31,14 +36,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
     with distributed(args.device, timeout_s=args.timeout) as ctx:
+        t = torch.ones(1, device=ctx.device)
+        dist.all_reduce(t)
+        print(f"rank {ctx.rank}: first all-reduce done ({t.item():.0f} ranks)", flush=True)
         if ctx.rank == ctx.world_size - 1:
-            print(f"rank {ctx.rank}: busy elsewhere, never joining the all-reduce", flush=True)
+            print(f"rank {ctx.rank}: busy elsewhere, never joining the next one", flush=True)
             time.sleep(args.timeout * 10)
             return
         print(f"rank {ctx.rank}: entering all-reduce (timeout {args.timeout:.0f} s)", flush=True)
-        t = torch.ones(1, device=ctx.device)
         try:
-            dist.all_reduce(t)  # gloo raises here once the timeout has passed
+            dist.all_reduce(t)
+            t.item()  # the host needs the result: NCCL makes it wait here
         except RuntimeError as err:  # DistBackendError is a RuntimeError too
             print(f"{type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
             sys.exit(1)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..models import wide_resnet
 from ..timing import benchmark
-from .data_parallel import ddp, measure_bus_bandwidth
+from .data_parallel import compile_for_ddp, ddp, measure_bus_bandwidth
 from .distributed import distributed
 
 
@@ -42,11 +42,9 @@ def main(argv: list[str] | None = None) -> None:
         torch.backends.cudnn.benchmark = True
         torch.manual_seed(0)
         net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
-        # Compiled inside DDP: torch.compile cuts the network into one graph per gradient
-        # bucket, and each bucket's all-reduce is launched between the pieces (chapter 5b
-        # measures what that costs with CUDA graphs).
-        inner = net if args.compile == "none" else torch.compile(net, mode=args.compile)
-        model = ddp(inner, ctx)
+        # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced after
+        # backward (compile_for_ddp says why).
+        model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
         x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
         y = torch.randint(0, 10, (args.batch,), device=dev)
