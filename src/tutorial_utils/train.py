@@ -265,7 +265,8 @@ class Trainer:
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
                 out = self.model(x)
                 if self.cfg.tta:
-                    out = out + self.model(torch.flip(x, dims=[3]))
+                    # clone: with CUDA graphs the second call reuses the first one's output memory
+                    out = out.clone() + self.model(torch.flip(x, dims=[3]))
                 correct += (out.argmax(1) == y).sum()
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
