@@ -96,6 +96,26 @@ def test_test_time_augmentation_adds_the_mirror_image(tmp_path, monkeypatch):
     assert len(seen) == 2 and torch.equal(seen[1], torch.flip(seen[0], dims=[3]))
 
 
+class StaticOutput(torch.nn.Module):
+    """Returns its result in the same tensor on every call, as a CUDA-graph replay does."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 10))
+        self.register_buffer("out", torch.zeros(4, 10))
+
+    def forward(self, x):
+        return self.out.copy_(self.net(x))
+
+
+def test_test_time_augmentation_survives_reused_output_memory():
+    torch.manual_seed(0)
+    model, x = StaticOutput(), torch.randn(4, 3, 8, 8)
+    with torch.no_grad():
+        expected = model.net(x) + model.net(torch.flip(x, dims=[3]))
+        assert torch.allclose(train_mod.predict(model, x, tta=True), expected)
+
+
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"epoch": 1, "config": {}})

@@ -263,14 +263,20 @@ class Trainer:
         seen = 0
         for x, y in self.test_loader:
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                out = self.model(x)
-                if self.cfg.tta:
-                    # clone: with CUDA graphs the second call reuses the first one's output memory
-                    out = out.clone() + self.model(torch.flip(x, dims=[3]))
+                out = predict(self.model, x, self.cfg.tta)
                 correct += (out.argmax(1) == y).sum()
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
         return total_correct / n
+
+
+def predict(model: torch.nn.Module, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
+    """Logits for ``x``; with ``tta``, plus the logits of its mirror image."""
+    out = model(x)
+    if not tta:
+        return out
+    # A CUDA-graph replay returns the same output memory every time: keep the first result.
+    return out.clone() + model(torch.flip(x, dims=[3]))
 
 
 def _progress(loader, ctx: DistContext, epoch: int, epochs: int):
