@@ -59,3 +59,19 @@ def test_single_gpu_reference_is_autotuned_like_the_ddp_workers(monkeypatch):
     before = torch.backends.cudnn.benchmark
     bench_data_parallel.measure_single(LADDER[3], LadderSize("wrn-10-1", 2, 1, 1), "cpu")
     assert seen == [True] and torch.backends.cudnn.benchmark == before
+
+
+def test_without_gpus_the_graph_modes_are_dropped_with_a_message(capsys, monkeypatch):
+    from tutorial_utils import bench
+
+    seen = {}
+
+    def fake_run(*args, **kwargs):
+        seen["modes"] = args[4]
+        return []
+
+    monkeypatch.setattr(bench, "gpu_count", lambda: 0)
+    monkeypatch.setattr(bench, "run", fake_run)
+    bench.main(["--model", "wrn-10-1"])
+    assert seen["modes"] == ("eager",)
+    assert "no GPU: the CUDA-graph runs are skipped" in capsys.readouterr().out

@@ -1,7 +1,8 @@
 """Probe (not part of the book): where a DDP step of WRN-28-10 with CUDA graphs loses time.
 
     [TRACE=trace.json] torchrun --standalone --nproc_per_node=2 scripts/probes/ddp_graphs.py \
-        {baseline,no-optimize-ddp,manual,bucket-view,one-bucket,python-reducer,eager} BATCH
+        {baseline,no-optimize-ddp,one-graph-view,manual,bucket-view,one-bucket,python-reducer,
+         eager} BATCH
 """
 import json
 import os
@@ -23,7 +24,7 @@ dev = torch.device("cuda", rank)
 torch.cuda.set_device(dev)
 dist.init_process_group("nccl", device_id=dev)
 torch.backends.cudnn.benchmark = True
-if variant == "no-optimize-ddp":
+if variant in ("no-optimize-ddp", "one-graph-view"):
     torch._dynamo.config.optimize_ddp = False
 elif variant == "python-reducer":  # backward, all-reduces included, traced as one graph
     torch._dynamo.config.optimize_ddp = "python_reducer"
@@ -35,7 +36,8 @@ inner = net if mode == "none" else torch.compile(net, mode=mode)
 if variant == "manual":
     model = inner
 else:
-    model = DDP(inner, device_ids=[rank], gradient_as_bucket_view=variant == "bucket-view",
+    view = variant in ("bucket-view", "one-graph-view")
+    model = DDP(inner, device_ids=[rank], gradient_as_bucket_view=view,
                 bucket_cap_mb=400 if variant == "one-bucket" else 25)
 params = list(net.parameters())
 opt = torch.optim.SGD(params, lr=0.01, momentum=0.9, nesterov=True)

@@ -3,8 +3,11 @@
     python -m tutorial_utils.bench --gpus 2 4 --json runs/bench.json
 
 Strong scaling keeps the global batch (the Torch7 post split its 128 across the GPUs); weak
-scaling keeps the per-GPU batch. Each regime is measured eagerly and with CUDA graphs, with
-DataParallel for comparison, and every speed-up is a ratio against the best single-GPU run of
+scaling keeps the per-GPU batch. Each regime is measured in three modes: eager, with CUDA graphs
+of the network (``torch.compile(mode="reduce-overhead")``) and with the whole step as one CUDA
+graph ("step graph": :class:`~tutorial_utils.graphs.StepGraph` around a step compiled with
+``torch.compile``'s default mode, all-reduces and optimizer included), with DataParallel for
+comparison, and every speed-up is a ratio against the best single-GPU run of
 the same invocation at the same global (strong) or per-GPU (weak) batch. The prediction uses
 chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring all-reduce
 at the bus bandwidth measured in the same run.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,18 +26,21 @@ import torch
 
 from .bench_data_parallel import measure_single, time_data_parallel, time_ddp
 from .devices import NotEnoughGPUsError, gpu_count, require_gpus
+from .launch import torchrun
 from .parallel.data_parallel import ring_all_reduce_seconds
 from .speed import LADDER, LadderSize
 
 TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
+STEP_GRAPH = "step graph"  # measured by parallel.step_timing in 1 or N processes alike
+GPU_ONLY_MODES = ("CUDA graphs", STEP_GRAPH)
 
 
 @dataclass
 class Run:
     regime: str  # "single", "strong" or "weak"
     method: str  # "1 GPU", "DDP" or "DataParallel"
-    mode: str  # "eager" or "CUDA graphs"
+    mode: str  # "eager", "CUDA graphs" or "step graph"
     gpus: int
     per_gpu_batch: int
     step_ms: float
@@ -50,7 +57,23 @@ class Run:
         return TRAIN_IMAGES / self.images_per_s
 
 
+def time_step_graph(model: str, batch: int, n: int, repeats: int, device: str) -> dict:
+    """The record of :mod:`~tutorial_utils.parallel.step_timing` with the whole step captured,
+    in ``n`` processes (one process: no DDP, the single-GPU reference)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "step.jsonl"
+        args = ["--model", model, "--batch", str(batch), "--warmup", "5", "--repeats",
+                str(repeats), "--device", device, "--compile", "default", "--capture",
+                "--out", str(out)]
+        result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
+                          metrics_file=out, echo=False)
+    return result.metrics[0]
+
+
 def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
+    if mode == STEP_GRAPH:
+        rec = time_step_graph(model, batch, 1, repeats, device)
+        return Run("single", "1 GPU", mode, 1, batch, rec["ddp_ms"])
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     # A fresh compilation per batch size: otherwise the second size recompiles the network
     # with a symbolic batch dimension, which is slower than either specialised graph.
@@ -63,8 +86,11 @@ def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
 
 def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str,
             device: str) -> Run:
-    compile_mode = MODES[mode].compile_mode or "none"  # the same step as the single-GPU run
-    rec = time_ddp(LadderSize(model, per_gpu, 5, repeats), n, device, compile_mode)
+    if mode == STEP_GRAPH:
+        rec = time_step_graph(model, per_gpu, n, repeats, device)
+    else:
+        compile_mode = MODES[mode].compile_mode or "none"  # the same step as the single GPU's
+        rec = time_ddp(LadderSize(model, per_gpu, 5, repeats), n, device, compile_mode)
     ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
     return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
                predicted_ms=rec["no_sync_ms"] + ring_ms)
@@ -167,15 +193,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="GPU counts to scale to, e.g. 2 4 8")
     parser.add_argument("--global-batch", type=int, default=128, help="strong scaling")
     parser.add_argument("--per-gpu-batch", type=int, default=128, help="weak scaling")
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=[*MODES, STEP_GRAPH],
+                        default=[*MODES, STEP_GRAPH])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-data-parallel", action="store_true", help="skip nn.DataParallel")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     modes = tuple(args.modes)
-    if gpu_count() == 0 and "CUDA graphs" in modes:
-        print("no GPU: the CUDA-graphs runs are skipped")
-        modes = tuple(m for m in modes if m != "CUDA graphs") or ("eager",)
+    if gpu_count() == 0 and set(modes) & set(GPU_ONLY_MODES):
+        print("no GPU: the CUDA-graph runs are skipped")
+        modes = tuple(m for m in modes if m not in GPU_ONLY_MODES) or ("eager",)
     try:
         runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes,
                    args.repeats, data_parallel=not args.no_data_parallel)

@@ -6,7 +6,15 @@
 The same step is timed twice: plain DDP (gradients all-reduced in buckets during backward) and
 inside ``no_sync()`` (no communication at all: the compute alone). Their difference is the
 all-reduce time that backward could not hide. The bus bandwidth of an all-reduce as large as
-all the gradients is measured too, for the ring model of chapter 4.
+all the gradients is measured too, for the ring model of chapter 4. ``host_ms`` is how long the
+host takes to queue one DDP step: when it nears ``ddp_ms``, the GPU waits for Python.
+
+With ``--capture`` each timed step is one CUDA graph holding the whole step, all-reduces and
+optimizer included (:class:`~tutorial_utils.graphs.StepGraph`); combine it with ``--compile
+default`` for fused kernels without torch.compile's own graphs.
+
+With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
+Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..graphs import StepGraph
 from ..models import wide_resnet
-from ..timing import benchmark
+from ..timing import benchmark, host_clock_without_sync, synchronize
 from .data_parallel import compile_for_ddp, ddp, measure_bus_bandwidth
-from .distributed import distributed
+from .distributed import DistContext, distributed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,43 +43,89 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--compile", choices=["none", "default", "reduce-overhead"],
                         default="none", help="torch.compile mode of the network inside DDP")
+    parser.add_argument("--capture", action="store_true",
+                        help="record each whole step as one CUDA graph (GPU only)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
 
     with distributed(args.device) as ctx:
-        dev = ctx.device
-        torch.backends.cudnn.benchmark = True
-        torch.manual_seed(0)
-        net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
-        # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced after
-        # backward (compile_for_ddp says why).
-        model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
-        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-        x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
-        y = torch.randint(0, 10, (args.batch,), device=dev)
-
-        bf16 = dev.type == "cuda"
-
-        def step(sync: bool = True) -> None:
-            with contextlib.nullcontext() if sync else model.no_sync():
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
-                    loss = F.cross_entropy(model(x), y)
-                loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        with_ddp = benchmark(step, warmup=args.warmup, repeats=args.repeats, device=dev)
-        compute = benchmark(lambda: step(sync=False), warmup=2, repeats=args.repeats, device=dev)
-        grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-        busbw = measure_bus_bandwidth(ctx, grad_bytes)
+        # The graphs are released (inner block) before the process group is destroyed.
+        with StepGraph(ctx.device, args.capture) as graph, \
+                StepGraph(ctx.device, args.capture) as local_graph:
+            record = measure(args, ctx, graph, local_graph)
         if ctx.is_main:
             with open(args.out, "a") as f:
-                f.write(json.dumps({
-                    "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
-                    "per_gpu_batch": args.batch, "ddp_ms": with_ddp.median_ms,
-                    "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
-                    "grad_bytes": grad_bytes, "bus_gbps": busbw, "device": str(dev),
-                }) + "\n")
+                f.write(json.dumps(record) + "\n")
+
+
+def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
+            local_graph: StepGraph) -> dict:
+    """Time the DDP step (in ``graph``) and the same step under ``no_sync`` (``local_graph``)."""
+    dev = ctx.device
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
+    with graph.stream():  # DDP is built on the stream that will capture it
+        # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
+        # after backward (compile_for_ddp says why).
+        model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (args.batch,), device=dev)
+    bf16 = dev.type == "cuda"
+
+    def body(sync: bool) -> None:  # one step; the gradients are left for the next
+        local = not sync and ctx.is_distributed
+        with model.no_sync() if local else contextlib.nullcontext():
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16,
+                                cache_enabled=False):
+                loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        opt.step()
+
+    step = graph.capture(lambda: body(sync=True), net, opt)
+    with_ddp = benchmark(step, warmup=args.warmup, repeats=args.repeats, device=dev)
+    compute_step = local_graph.capture(lambda: body(sync=False), net, opt)
+    compute = benchmark(compute_step, warmup=2, repeats=args.repeats, device=dev)
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    busbw = measure_bus_bandwidth(ctx, grad_bytes) if ctx.is_distributed else None
+    synchronize(dev)
+    host = host_clock_without_sync(step, repeats=5)
+    synchronize(dev)
+    record = {
+        "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
+        "capture": args.capture, "per_gpu_batch": args.batch, "ddp_ms": with_ddp.median_ms,
+        "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
+        "host_ms": host.median_ms, "grad_bytes": grad_bytes, "bus_gbps": busbw,
+        "device": str(dev),
+    }
+    if args.trace:
+        record |= profile_steps(step, dev, args.trace if ctx.is_main else None)
+    return record
+
+
+def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:
+    """Profile ``steps`` calls of ``step``; GPU milliseconds per step in kernels and in NCCL.
+
+    Every rank runs the profiled steps (their collectives must match); only a rank given a
+    ``trace`` path writes the Chrome trace.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower()) / steps / 1e3
+    return {"gpu_kernels_ms": total - nccl, "gpu_nccl_ms": nccl}
 
 
 if __name__ == "__main__":
