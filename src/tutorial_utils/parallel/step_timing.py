@@ -108,9 +108,13 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
 def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:
     """Profile ``steps`` calls of ``step``; GPU milliseconds per step in kernels and in NCCL.
 
-    Every rank runs the profiled steps (their collectives must match); only a rank given a
-    ``trace`` path writes the Chrome trace.
+    Only the GPU's own kernel and copy events count: CPU operators and annotations carry the
+    device time of the kernels under them and would count it again. Kernels that run at the
+    same time (NCCL beside backward) are summed, not merged. Every rank runs the profiled
+    steps (their collectives must match); only a rank given a ``trace`` path writes the
+    Chrome trace.
     """
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -122,10 +126,15 @@ def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5
         synchronize(device)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
-    events = prof.key_averages()
-    total = sum(e.self_device_time_total for e in events) / steps / 1e3
-    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower()) / steps / 1e3
-    return {"gpu_kernels_ms": total - nccl, "gpu_nccl_ms": nccl}
+    on_gpu = [e for e in prof.events()
+              if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+
+    def per_step_ms(events) -> float:
+        return sum(e.time_range.elapsed_us() for e in events) / steps / 1e3
+
+    nccl = [e for e in on_gpu if "nccl" in e.name.lower()]
+    return {"gpu_kernels_ms": per_step_ms(on_gpu) - per_step_ms(nccl),
+            "gpu_nccl_ms": per_step_ms(nccl)}
 
 
 if __name__ == "__main__":
