@@ -16,8 +16,9 @@ The rules it follows (see "CUDA Graphs" in PyTorch's CUDA semantics notes):
   memory and every replay writes fresh gradients there; the step must not zero them itself;
 - autocast's weight-cast cache is off inside the step (``cache_enabled=False``): a cached
   cast would be freed when the autocast region ends, while the graph still reads it;
-- the graph is released before the process group is destroyed: NCCL keeps a communicator
-  alive while a graph that uses it exists (use the ``StepGraph`` as a context manager).
+- the graph is released before the process group is destroyed (use the ``StepGraph`` as a
+  context manager): on 2 H200s, processes that destroyed it while their graphs of captured
+  all-reduces were still alive hung on exit.
 
 The warm-up steps train on whatever batch the static tensors hold, so :meth:`StepGraph.capture`
 puts the weights, buffers and optimizer state back as they were before them: the first replay is
