@@ -46,6 +46,22 @@ def test_two_gpu_nccl_training_run(tmp_path):
     assert epoch["images_per_s"] > 0
 
 
+@pytest.mark.multigpu
+def test_two_gpu_step_graph_trains_like_the_eager_step(tmp_path):
+    losses = []
+    for name, flags in (("eager", []), ("graphed", ["--step-graph"])):
+        out = tmp_path / name
+        result = torchrun(
+            "tutorial_utils.train",
+            ["--depth", "10", "--width", "1", "--epochs", "2", "--batch", "128", "--data",
+             "synthetic", "--device", "cuda", "--deterministic", "--out", str(out), *flags],
+            nproc=2, timeout_s=300, metrics_file=out / "metrics.jsonl", echo=False,
+        )
+        losses.append([r["train_loss"] for r in result.metrics if r["event"] == "epoch"])
+    eager, graphed = losses
+    assert graphed == pytest.approx(eager, rel=1e-3)  # the all-reduce ran inside the graph
+
+
 def _equivalence(tmp_path, *flags, device="cpu"):
     out = tmp_path / "eq.jsonl"
     result = torchrun("tutorial_utils.parallel.equivalence",

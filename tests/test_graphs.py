@@ -21,23 +21,30 @@ def tiny_problem(device, seed=0):
     return net, opt, x, y
 
 
-def test_without_a_gpu_the_step_runs_as_written_and_clears_the_gradients():
+def test_without_a_gpu_the_step_runs_as_written_on_fresh_gradients():
     net, opt, x, y = tiny_problem("cpu")
     graph = StepGraph(torch.device("cpu"))
-    losses = []
+    calls = []
 
-    def body():
+    def forward_backward():  # the optimizer runs outside, after each step
+        calls.append(1)
         loss = F.cross_entropy(net(x), y)
         loss.backward()
-        opt.step()
-        losses.append(loss.item())
+        return loss
 
-    step = graph.capture(body, net, opt, warmup=3)
+    step = graph.capture(forward_backward, net, opt, warmup=3)
     assert not graph.enabled and graph.graph is None
-    assert len(losses) == 0  # nothing runs until the first step
+    assert not calls  # nothing runs until the first step
+    first = step()
+    grads = [p.grad.clone() for p in net.parameters()]
+    second = step()  # same weights, same batch: the same gradients, not twice them
+    for p, g in zip(net.parameters(), grads, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    assert torch.equal(first, second)
+    losses = []
     for _ in range(5):
-        step()
-        assert all(p.grad is None for p in net.parameters())
+        losses.append(step().item())
+        opt.step()
     assert losses[-1] < losses[0]
 
 
@@ -48,7 +55,8 @@ def test_capture_refuses_zero_warmup_steps():
 
 
 @pytest.mark.gpu
-def test_replayed_steps_equal_eager_steps_on_new_batches():
+@pytest.mark.parametrize("optimizer_in_graph", [True, False])
+def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
     dev = torch.device("cuda")
     batches = [(torch.randn(64, 8, device=dev), torch.randint(0, 3, (64,), device=dev))
                for _ in range(4)]
@@ -62,7 +70,9 @@ def test_replayed_steps_equal_eager_steps_on_new_batches():
             with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
                 loss = F.cross_entropy(net(x), y)
             loss.backward()
-            opt.step()
+            if optimizer_in_graph:
+                opt.step()
+            return loss
 
         with StepGraph(dev, enabled=capture) as graph:
             step = graph.capture(body, net, opt, warmup=3)
@@ -71,6 +81,8 @@ def test_replayed_steps_equal_eager_steps_on_new_batches():
                 x.copy_(bx)
                 y.copy_(by)
                 step()
+                if not optimizer_in_graph:
+                    opt.step()  # eagerly, on the gradients the replay left
             torch.cuda.synchronize()
             weights.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
         assert graph.graph is None  # released on leaving the block

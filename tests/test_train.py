@@ -86,6 +86,25 @@ def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)  # weights and BatchNorm statistics
 
 
+def test_step_graph_without_a_gpu_trains_exactly_as_without(tmp_path):
+    straight = tiny(tmp_path / "a", epochs=2, dropout=0.3)
+    graphed = tiny(tmp_path / "b", epochs=2, dropout=0.3, step_graph=True)
+    losses = [[r["train_loss"] for r in run(cfg, CPU)] for cfg in (straight, graphed)]
+    assert losses[0] == losses[1]
+    a, b = weights(straight), weights(graphed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.gpu
+def test_step_graph_on_a_gpu_trains_like_the_eager_step(tmp_path):
+    gpu = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
+    runs = [run(tiny(tmp_path / name, epochs=2, device="cuda", bf16=True, deterministic=True,
+                     **kw), gpu) for name, kw in (("a", {}), ("b", {"step_graph": True}))]
+    eager, graphed = ([r["train_loss"] for r in records] for records in runs)
+    assert graphed == pytest.approx(eager, rel=1e-3)
+    assert graphed[-1] < graphed[0]
+
+
 def test_test_time_augmentation_adds_the_mirror_image(tmp_path, monkeypatch):
     seen = []
     cfg = tiny(tmp_path, epochs=1, tta=True)
@@ -170,6 +189,7 @@ def error_of(capsys, *argv):
         (["--batch", "0"], "--batch must be >= 1"),
         (["--frobnicate"], "unrecognized arguments: --frobnicate (see --help)"),
         (["--loader", "magic"], "invalid choice: 'magic'"),
+        (["--step-graph", "--compile", "reduce-overhead"], "--step-graph records the whole step"),
     ],
 )
 def test_bad_options(capsys, argv, message):

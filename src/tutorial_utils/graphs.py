@@ -13,7 +13,8 @@ The rules it follows (see "CUDA Graphs" in PyTorch's CUDA semantics notes):
   DDP's bucket rebuild after its first iteration and its sampled timing statistics);
 - DDP is built on that same stream (:meth:`StepGraph.stream`);
 - gradients are ``None`` when capture starts, so backward allocates them from the graph's
-  memory and every replay writes fresh gradients there; the step must not zero them itself;
+  memory and every replay writes fresh gradients there (the step may set them to ``None``
+  itself first; that is host work and records nothing);
 - autocast's weight-cast cache is off inside the step (``cache_enabled=False``): a cached
   cast would be freed when the autocast region ends, while the graph still reads it;
 - the graph is released before the process group is destroyed (use the ``StepGraph`` as a
@@ -22,14 +23,16 @@ The rules it follows (see "CUDA Graphs" in PyTorch's CUDA semantics notes):
 
 The warm-up steps train on whatever batch the static tensors hold, so :meth:`StepGraph.capture`
 puts the weights, buffers and optimizer state back as they were before them: the first replay is
-the first training step, exactly as without the graph. On a CPU, or with ``enabled=False``,
-nothing is captured and the step runs as written, with the gradients zeroed after it.
+the first training step, exactly as without the graph. The optimizer may run inside the graph
+or after each replay, reading the gradients the graph left. On a CPU, or with ``enabled=False``,
+nothing is captured and each step clears the gradients and then runs as written.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -38,9 +41,11 @@ from torch import nn
 # none of those may fall inside the capture.
 DDP_WARMUP_STEPS = 11
 
+T = TypeVar("T")
+
 
 class StepGraph:
-    """Capture ``body`` (forward, backward, optimizer step) as one CUDA graph.
+    """Capture ``body`` (forward, backward, and the optimizer step or not) as one CUDA graph.
 
     ::
 
@@ -50,7 +55,7 @@ class StepGraph:
             step = graph.capture(body, net, optimizer)  # warm-up, record, restore
             for batch in loader:
                 static_x.copy_(batch)
-                step()  # one graph launch
+                loss = step()  # one graph launch; what body returned, refilled
     """
 
     def __init__(self, device: torch.device, enabled: bool = True) -> None:
@@ -83,20 +88,22 @@ class StepGraph:
             self.graph.reset()
             self.graph = None
 
-    def capture(self, body: Callable[[], object], model: nn.Module,
+    def capture(self, body: Callable[[], T], model: nn.Module,
                 optimizer: torch.optim.Optimizer,
-                warmup: int = DDP_WARMUP_STEPS) -> Callable[[], None]:
+                warmup: int = DDP_WARMUP_STEPS) -> Callable[[], T]:
         """Warm ``body`` up, record it, and return the function that replays it.
 
         ``model`` and ``optimizer`` are what ``body`` trains: their state is restored after
-        the warm-up, in place, so the graph keeps reading and writing the same memory.
+        the warm-up, in place, so the graph keeps reading and writing the same memory. The
+        replay returns what ``body`` returned while it was recorded: tensors the graph fills
+        again on every replay (read them before the next one).
         """
         if warmup < 1:
             raise ValueError(f"capture needs at least one warm-up step, got warmup={warmup}")
 
-        def eager_step() -> None:
-            body()
+        def eager_step() -> T:
             optimizer.zero_grad(set_to_none=True)
+            return body()
 
         if not self.enabled:
             return eager_step
@@ -104,16 +111,23 @@ class StepGraph:
         with self.stream():
             for _ in range(warmup):
                 eager_step()
+        optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self._stream):
-            body()
+            outputs = body()
         with torch.no_grad():
             for t in _state_tensors(model, optimizer):
                 if id(t) in before:
                     t.copy_(before[id(t)])
                 else:  # state the warm-up created (momentum, say) starts from zero, as if new
                     t.zero_()
-        return self.graph.replay
+        graph = self.graph
+
+        def replay() -> T:
+            graph.replay()
+            return outputs
+
+        return replay
 
 
 def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkp
 from .config import ConfigError, parse, to_dict
 from .data import Cifar10, DataError, DeviceLoader, dataloader, load_cifar10, normalize
 from .devices import NotEnoughGPUsError
+from .graphs import StepGraph
 from .models import WideResNet
 from .parallel.data_parallel import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum, distributed
@@ -60,6 +61,10 @@ class TrainConfig:
     bf16: bool = opt(True, "bf16 autocast")
     channels_last: bool = opt(True, "channels_last memory format")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
+    step_graph: bool = opt(
+        False, "record forward and backward, DDP's all-reduces included, as one CUDA graph "
+        "replayed every step (the optimizer runs after it); with --compile default or none. "
+        "On a CPU the step runs eagerly")
     loader: Literal["device", "dataloader"] = opt(
         "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
     workers: int = opt(4, "DataLoader worker processes per rank")
@@ -89,6 +94,9 @@ class TrainConfig:
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
+            (not (self.step_graph and self.compile == "reduce-overhead"),
+             "--step-graph records the whole step itself: use it with --compile default or "
+             "none, not reduce-overhead"),
         ]
         for ok, message in checks:
             if not ok:
@@ -135,9 +143,14 @@ class Trainer:
         fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout).to(ctx.device,
                                                                               memory_format=fmt)
-        # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA graphs
-        # and DDP all-reduces the gradients when the compiled backward has produced them.
-        self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
+        # With --step-graph, forward and backward are recorded by warm_up() into one CUDA
+        # graph; DDP must be built on the stream that records it.
+        self.graph = StepGraph(ctx.device, enabled=cfg.step_graph)
+        self._replay = None
+        with self.graph.stream():
+            # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA
+            # graphs and DDP all-reduces the gradients once the compiled backward produced them.
+            self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
         self.optimizer = torch.optim.SGD(
@@ -195,7 +208,7 @@ class Trainer:
             if cfg.crash_at_step == first_step + i:
                 self._simulated_crash(first_step + i)
             x, y = self._on_device(x, y)
-            out, loss = self._forward_backward(x, y)
+            out, loss = self.forward_backward(x, y)
             self.optimizer.step()
             self.scheduler.step()
             # Accumulate on the device: a .item() per step would stall the GPU queue.
@@ -216,10 +229,22 @@ class Trainer:
             y = y.to(dev, non_blocking=True)
         return x, y
 
+    def forward_backward(self, x: torch.Tensor,
+                         y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Outputs and loss of one batch, its gradients left for the optimizer."""
+        if self._replay is None:
+            return self._forward_backward(x, y)
+        self.static_x.copy_(x)  # the graph reads its batch from these
+        self.static_y.copy_(y)
+        return self._replay()
+
     def _forward_backward(self, x: torch.Tensor,
                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+        # No autocast cache: a cached bf16 copy of a weight would be freed at the end of the
+        # region while a recorded graph still reads it (each weight is used once anyway).
+        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=cfg.bf16,
+                            cache_enabled=False):
             out = self.model(x)
             loss = F.cross_entropy(out, y, label_smoothing=cfg.label_smoothing)
         self.optimizer.zero_grad(set_to_none=True)
@@ -229,7 +254,8 @@ class Trainer:
     def warm_up(self, steps: int = 3) -> float:
         """Compile the step (and capture its CUDA graphs) before the clock starts; seconds taken.
 
-        Runs forward and backward on the first batch ``steps`` times, without an optimizer step,
+        Runs forward and backward on the first batch ``steps`` times (with ``--step-graph``:
+        the warm-up steps the capture needs, then the capture), without an optimizer step,
         then puts back the weights, BatchNorm statistics and random generators: the training
         that follows is the one it would have been without the warm-up.
         """
@@ -240,9 +266,15 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         x, y = self._on_device(*next(iter(self.train_loader)))
-        for _ in range(steps):
-            self._forward_backward(x, y)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.cfg.step_graph:
+            self.static_x, self.static_y = x.clone(), y.clone()
+            self._replay = self.graph.capture(
+                lambda: self._forward_backward(self.static_x, self.static_y),
+                self.net, self.optimizer)
+        else:
+            for _ in range(steps):
+                self._forward_backward(x, y)
+            self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():  # in place: compiled graphs keep pointing at the same tensors
             for k, v in self.net.state_dict().items():
                 v.copy_(saved[k])
@@ -305,8 +337,6 @@ def _log(path: Path, record: dict) -> None:
 
 def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     """Train; return the per-epoch records (rank 0 also writes them to metrics.jsonl)."""
-    from .stamp import environment_stamp
-
     if ctx.device.type == "cuda":
         # Fixed shapes: let cuDNN time its kernels once and keep the fastest, unless the run
         # must repeat exactly (the fastest kernels may sum in a different order each time).
@@ -319,7 +349,14 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     trainer = Trainer(cfg, ctx, data)
     if cfg.resume and trainer.checkpoint_path.exists():
         trainer.restore()
-    warmup_s = trainer.warm_up() if cfg.compile != "none" else 0.0
+    with trainer.graph:  # a recorded graph is released before the process group goes
+        return _train(cfg, ctx, data, trainer)
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, data: Cifar10, trainer: Trainer) -> list[dict]:
+    from .stamp import environment_stamp
+
+    warmup_s = trainer.warm_up() if cfg.compile != "none" or cfg.step_graph else 0.0
     metrics = cfg.out / "metrics.jsonl"
     if ctx.is_main:
         cfg.out.mkdir(parents=True, exist_ok=True)
