@@ -75,7 +75,7 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     y = torch.randint(0, 10, (args.batch,), device=dev)
     bf16 = dev.type == "cuda"
 
-    def body(sync: bool) -> None:  # one step; the gradients are left for the next
+    def body(sync: bool) -> None:  # one step (StepGraph clears the gradients before it)
         local = not sync and ctx.is_distributed
         with model.no_sync() if local else contextlib.nullcontext():
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16,
