@@ -146,7 +146,9 @@ class Trainer:
         # With --step-graph, forward and backward are recorded by warm_up() into one CUDA
         # graph; DDP must be built on the stream that records it.
         self.graph = StepGraph(ctx.device, enabled=cfg.step_graph)
-        self._replay = None
+        self._replay = None  # set by warm_up(): replays the graph, reading these two tensors
+        self.static_x: torch.Tensor | None = None
+        self.static_y: torch.Tensor | None = None
         with self.graph.stream():
             # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA
             # graphs and DDP all-reduces the gradients once the compiled backward produced them.
