@@ -16,6 +16,7 @@ from tutorial_utils.data import (
     decode_image_folder,
     load_cifar10,
     load_image_folder,
+    normalize,
     random_crop_flip,
     synthetic_cifar10,
 )
@@ -118,6 +119,17 @@ def test_device_loader_shards_one_permutation_across_ranks():
         assert len(loader) == 3 and len(labels) == 48
         seen.append(set(labels.tolist()))
     assert not seen[0] & seen[1]
+
+
+def test_device_loader_without_crop_padding_only_mirrors():
+    x = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    loader = DeviceLoader(x, torch.arange(32), 32, device=torch.device("cpu"), crop_pad=0)
+    ((xb, yb),) = list(loader)
+    originals = normalize(x[yb])
+    same = [torch.equal(a, b) for a, b in zip(xb, originals, strict=True)]
+    mirrored = [torch.equal(a, b.flip(-1)) for a, b in zip(xb, originals, strict=True)]
+    assert all(s or m for s, m in zip(same, mirrored, strict=True))
+    assert 0 < sum(same) < 32
 
 
 def test_device_loader_eval_covers_every_sample_once():

@@ -105,6 +105,18 @@ def test_step_graph_on_a_gpu_trains_like_the_eager_step(tmp_path):
     assert graphed[-1] < graphed[0]
 
 
+def test_norm_weight_decay_off_spares_only_one_dimensional_tensors():
+    net = train_mod.WideResNet(10, 1)
+    (everything,) = train_mod.param_groups(net, 5e-4)
+    decayed, spared = train_mod.param_groups(net, 5e-4, decay_all=False)
+    assert len(everything["params"]) == len(decayed["params"]) + len(spared["params"])
+    assert spared["weight_decay"] == 0 and decayed["weight_decay"] == 5e-4
+    bn = {id(p) for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)
+          for p in m.parameters()}
+    assert bn <= {id(p) for p in spared["params"]}
+    assert all(p.ndim == 4 for p in decayed["params"][:-1]) and decayed["params"][-1].ndim == 2
+
+
 def test_test_time_augmentation_adds_the_mirror_image(tmp_path, monkeypatch):
     seen = []
     cfg = tiny(tmp_path, epochs=1, tta=True)
@@ -190,6 +202,7 @@ def error_of(capsys, *argv):
         (["--frobnicate"], "unrecognized arguments: --frobnicate (see --help)"),
         (["--loader", "magic"], "invalid choice: 'magic'"),
         (["--step-graph", "--compile", "reduce-overhead"], "--step-graph records the whole step"),
+        (["--crop-pad", "-1"], "--crop-pad must be >= 0"),
     ],
 )
 def test_bad_options(capsys, argv, message):

@@ -226,10 +226,11 @@ class DeviceLoader:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, *, device: torch.device,
                  rank: int = 0, world_size: int = 1, train: bool = True, seed: int = 0,
-                 channels_last: bool = False) -> None:
+                 channels_last: bool = False, crop_pad: int = 4) -> None:
         self.x, self.y = x.to(device), y.to(device)
         self.batch, self.device, self.rank, self.world = batch, device, rank, world_size
         self.train, self.seed, self.channels_last = train, seed, channels_last
+        self.crop_pad = crop_pad
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -260,24 +261,24 @@ class DeviceLoader:
             b = idx[i : i + self.batch]
             x = self.x[b]
             if self.train:
-                x = random_crop_flip(x, g)
+                x = random_crop_flip(x, g, self.crop_pad)
             yield normalize(x, self.channels_last), self.y[b]
 
 
 class _AugmentedImages(torch.utils.data.Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x, self.y = x, y
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, crop_pad: int) -> None:
+        self.x, self.y, self.crop_pad = x, y, crop_pad
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_crop_flip(self.x[i : i + 1])[0], self.y[i]
+        return random_crop_flip(self.x[i : i + 1], pad=self.crop_pad)[0], self.y[i]
 
 
 def dataloader(x: torch.Tensor, y: torch.Tensor, batch: int, *, rank: int = 0,
                world_size: int = 1, seed: int = 0, workers: int = 4,
-               pin_memory: bool = True) -> torch.utils.data.DataLoader:
+               pin_memory: bool = True, crop_pad: int = 4) -> torch.utils.data.DataLoader:
     """The classic training route: CPU workers augment single images, a sampler shards them.
 
     Batches are uint8; the training loop copies them to the GPU and normalises them there.
@@ -285,7 +286,7 @@ def dataloader(x: torch.Tensor, y: torch.Tensor, batch: int, *, rank: int = 0,
     """
     from torch.utils.data.distributed import DistributedSampler
 
-    dataset = _AugmentedImages(x, y)
+    dataset = _AugmentedImages(x, y, crop_pad)
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                  seed=seed, drop_last=True)
     return torch.utils.data.DataLoader(

@@ -53,9 +53,14 @@ class TrainConfig:
         "at 30/60/80 %% of the epochs")
     warmup_epochs: float = opt(1.0, "warm-up length for warmup-linear")
     weight_decay: float = opt(5e-4, "L2 weight decay")
+    norm_weight_decay: bool = opt(
+        True, "decay BatchNorm scales and shifts and the classifier's bias too (the paper "
+        "does); --no-norm-weight-decay decays only convolution and linear weights")
     momentum: float = opt(0.9, "SGD momentum")
     nesterov: bool = opt(True, "Nesterov momentum")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
+    crop_pad: int = opt(4, "augmentation: random crops from images padded by this many "
+                        "pixels, plus random mirroring (0: mirroring only)")
     tta: bool = opt(False, "test-time augmentation: classify each test image and its mirror "
                     "image, summing the two outputs")
     bf16: bool = opt(True, "bf16 autocast")
@@ -94,6 +99,7 @@ class TrainConfig:
             (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
+            (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
              "none, not reduce-overhead"),
@@ -128,6 +134,20 @@ def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
     return max(0.0, (cfg.epochs - epoch) / max(cfg.epochs - warmup, 1e-9))
 
 
+def param_groups(net: torch.nn.Module, weight_decay: float,
+                 decay_all: bool = True) -> list[dict]:
+    """SGD parameter groups: every tensor decayed, or only the weight matrices and kernels.
+
+    Without ``decay_all``, one-dimensional tensors (BatchNorm scales and shifts, biases) get no
+    weight decay: they set the scale of a layer's output, which decay would only shrink.
+    """
+    params = list(net.parameters())
+    if decay_all:
+        return [{"params": params, "weight_decay": weight_decay}]
+    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
+
+
 @dataclass
 class Trainer:
     cfg: TrainConfig
@@ -155,9 +175,11 @@ class Trainer:
             self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
+        # fused: on a GPU, decay, momentum and update are one pass over each tensor, not three
         self.optimizer = torch.optim.SGD(
-            self.net.parameters(), lr=cfg.peak_lr(ctx.world_size), momentum=cfg.momentum,
-            nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
+            param_groups(self.net, cfg.weight_decay, cfg.norm_weight_decay),
+            lr=cfg.peak_lr(ctx.world_size), momentum=cfg.momentum, nesterov=cfg.nesterov,
+            fused=ctx.device.type == "cuda" or None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg, s, self.steps_per_epoch))
         self.test_loader = DeviceLoader(self.data.test_x, self.data.test_y, 500,
@@ -170,10 +192,10 @@ class Trainer:
         if cfg.loader == "device":
             return DeviceLoader(d.train_x, d.train_y, self.per_gpu, device=ctx.device,
                                 rank=ctx.rank, world_size=ctx.world_size, seed=cfg.seed,
-                                channels_last=cfg.channels_last)
+                                channels_last=cfg.channels_last, crop_pad=cfg.crop_pad)
         return dataloader(d.train_x, d.train_y, self.per_gpu, rank=ctx.rank,
                           world_size=ctx.world_size, seed=cfg.seed, workers=cfg.workers,
-                          pin_memory=ctx.device.type == "cuda")
+                          pin_memory=ctx.device.type == "cuda", crop_pad=cfg.crop_pad)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -187,7 +209,8 @@ class Trainer:
         })
 
     def restore(self) -> None:
-        keys = ("depth", "width", "batch", "scaling", "seed", "epochs", "schedule")
+        keys = ("depth", "width", "batch", "scaling", "seed", "epochs", "schedule",
+                "norm_weight_decay")
         state = load_checkpoint(self.checkpoint_path, {k: getattr(self.cfg, k) for k in keys})
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
