@@ -1,10 +1,11 @@
 """Probe (not part of the book): chapter 5's fast 10-epoch recipe on N GPUs, one change at a time.
 
-    python scripts/probes/recipe_sweep.py OUT_DIR [BUDGET_S]
+    python scripts/probes/recipe_sweep.py OUT_DIR [BUDGET_S [VARIANT ...]]
 
-Every variant is the recipe plus its flags, run with ``tutorial_utils.experiment.train``; each
-run's metrics go to ``OUT_DIR/<variant>/metrics.jsonl``. No variant starts after ``BUDGET_S``
-seconds (default 480). One seed per variant: differences under ~0.3 points are noise.
+Every variant is the recipe (chapter 5's fast recipe before ``--crop-pad 2`` joined it) plus its
+flags, run with ``tutorial_utils.experiment.train``; each run's metrics go to
+``OUT_DIR/<variant>/metrics.jsonl``. No variant starts after ``BUDGET_S`` seconds (default 480).
+Without VARIANT names, all run. One seed per variant: differences under ~0.3 points are noise.
 """
 
 import os
@@ -28,14 +29,18 @@ VARIANTS = {
     "pad2+no-norm-decay+ls0.2": ["--crop-pad", "2", "--no-norm-weight-decay",
                                  "--label-smoothing", "0.2"],
     "lr-0.05": ["--lr", "0.05"],
+    "crop-pad-0": ["--crop-pad", "0"],
+    "pad2+lr-0.05": ["--crop-pad", "2", "--lr", "0.05"],
 }
 
 out_dir = Path(sys.argv[1])
 budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 480
+chosen = sys.argv[3:] or list(VARIANTS)
 n = gpu_count()
 t0 = time.perf_counter()
 rows = []
-for name, flags in VARIANTS.items():
+for name in chosen:
+    flags = VARIANTS[name]
     if time.perf_counter() - t0 > budget_s:
         print(f"{name}: not started, {budget_s:.0f} s budget spent", flush=True)
         continue
