@@ -54,8 +54,8 @@ class TrainConfig:
     warmup_epochs: float = opt(1.0, "warm-up length for warmup-linear")
     weight_decay: float = opt(5e-4, "L2 weight decay")
     norm_weight_decay: bool = opt(
-        True, "decay BatchNorm scales and shifts and the classifier's bias too (the paper "
-        "does); --no-norm-weight-decay decays only convolution and linear weights")
+        True, "decay BatchNorm scales and shifts and the classifier's bias too; "
+        "--no-norm-weight-decay decays only convolution and linear weights")
     momentum: float = opt(0.9, "SGD momentum")
     nesterov: bool = opt(True, "Nesterov momentum")
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
@@ -175,7 +175,7 @@ class Trainer:
             self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
-        # fused: on a GPU, decay, momentum and update are one pass over each tensor, not three
+        # fused: on a GPU, decay, momentum and update in one pass over the tensors, not three
         self.optimizer = torch.optim.SGD(
             param_groups(self.net, cfg.weight_decay, cfg.norm_weight_decay),
             lr=cfg.peak_lr(ctx.world_size), momentum=cfg.momentum, nesterov=cfg.nesterov,
