@@ -79,6 +79,13 @@ def test_ddp_and_hand_written_all_reduce_match_one_process(tmp_path):
     assert row["no_sync_vs_reference"] < 1e-6
 
 
+def test_ddp_tuning_keeps_the_gradients(tmp_path):
+    row = _equivalence(tmp_path)
+    assert row["bucket_view_vs_reference"] < 1e-6  # the same sums, without the copies
+    # each rank's gradient rounded to bf16 (8 significant bits) before the sum: close, not equal
+    assert 0 < row["bf16_grads_vs_reference"] < 2 ** -7
+
+
 def test_batchnorm_breaks_exact_equality(tmp_path):
     row = _equivalence(tmp_path, "--batchnorm")
     assert row["ddp_vs_reference"] > 1e-4  # per-rank batch statistics differ from the global ones

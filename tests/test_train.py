@@ -46,11 +46,12 @@ class Killed(Exception):
     pass
 
 
-def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch):
-    straight = tiny(tmp_path / "a", epochs=3)
+@pytest.mark.parametrize("ema", [0.0, 0.9])
+def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, ema):
+    straight = tiny(tmp_path / "a", epochs=3, ema=ema)
     run(straight, CPU)
 
-    interrupted = tiny(tmp_path / "b", epochs=3)
+    interrupted = tiny(tmp_path / "b", epochs=3, ema=ema)
     original = train_mod.Trainer.train_one_epoch
 
     def die_in_epoch_2(self, epoch):
@@ -62,11 +63,38 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch):
     with pytest.raises(Killed):
         run(interrupted, CPU)
     monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", original)
-    resumed = run(tiny(tmp_path / "b", epochs=3, resume=True), CPU)
+    resumed = run(tiny(tmp_path / "b", epochs=3, resume=True, ema=ema), CPU)
 
     assert [r["epoch"] for r in resumed] == [2, 3]
+    assert [r["test_acc"] for r in resumed] == [r["test_acc"] for r in run(straight, CPU)[1:]]
     a, b = weights(straight), weights(interrupted)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if ema:
+        a, b = (torch.load(c.out / "checkpoint.pt", weights_only=True)["ema"]
+                for c in (straight, interrupted))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ema_averages_every_step_and_is_what_evaluate_tests(tmp_path, monkeypatch):
+    trainer = train_mod.Trainer(tiny(tmp_path, ema=0.75), CPU, synthetic_cifar10(256, 32))
+    after_steps = []
+    update = trainer.ema.update_parameters
+    monkeypatch.setattr(trainer.ema, "update_parameters", lambda net: after_steps.append(
+        [p.detach().clone() for p in net.parameters()]) or update(net))
+    trainer.train_one_epoch(0)
+    assert len(after_steps) == trainer.steps_per_epoch == 4
+    expected = after_steps[0]  # the average starts from the weights after the first step
+    for w in after_steps[1:]:
+        expected = [0.75 * e + 0.25 * p for e, p in zip(expected, w, strict=True)]
+    for e, p in zip(expected, trainer.ema.module.parameters(), strict=True):
+        torch.testing.assert_close(p, e)
+
+    calls = []
+    for module, name in ((trainer.model, "trained"), (trainer.ema.module, "average")):
+        forward = module.forward
+        monkeypatch.setattr(module, "forward", lambda x, f=forward, n=name: calls.append(n) or f(x))
+    trainer.evaluate()
+    assert calls and set(calls) == {"average"}
 
 
 def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
@@ -147,6 +175,20 @@ def test_test_time_augmentation_survives_reused_output_memory():
         assert torch.allclose(train_mod.predict(model, x, tta=True), expected)
 
 
+def test_test_time_augmentation_with_shifts_adds_six_views():
+    torch.manual_seed(0)
+    model, x = StaticOutput(), torch.randn(4, 3, 8, 8)
+    mirror = torch.flip(x, dims=[3])
+    with torch.no_grad():
+        expected = sum(model.net(v) + 0.5 * (model.net(train_mod.translate(v, 1))
+                                             + model.net(train_mod.translate(v, -1)))
+                       for v in (x, mirror))
+        assert torch.allclose(train_mod.predict(model, x, tta=True, shift=1), expected)
+    moved = train_mod.translate(x, 1)
+    assert torch.equal(moved[..., 1:, 1:], x[..., :-1, :-1])  # down-right by one pixel
+    assert torch.equal(train_mod.translate(x, -2)[..., :-2, :-2], x[..., 2:, 2:])
+
+
 def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"epoch": 1, "config": {}})
@@ -203,6 +245,9 @@ def error_of(capsys, *argv):
         (["--loader", "magic"], "invalid choice: 'magic'"),
         (["--step-graph", "--compile", "reduce-overhead"], "--step-graph records the whole step"),
         (["--crop-pad", "-1"], "--crop-pad must be >= 0"),
+        (["--tta-shift", "1"], "--tta-shift needs --tta"),
+        (["--ema", "1"], "--ema must be a decay in [0, 1)"),
+        (["--bucket-mb", "0"], "--bucket-mb must be > 0"),
     ],
 )
 def test_bad_options(capsys, argv, message):

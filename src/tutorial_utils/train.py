@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from .checkpoint import CheckpointError, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .config import ConfigError, parse, to_dict
@@ -27,7 +28,8 @@ from .data import Cifar10, DataError, DeviceLoader, dataloader, load_cifar10, no
 from .devices import NotEnoughGPUsError
 from .graphs import StepGraph
 from .models import WideResNet
-from .parallel.data_parallel import compile_for_ddp, ddp
+from .parallel.data_parallel import compile_for_ddp
+from .parallel.ddp_tuning import DDPTuning
 from .parallel.distributed import DistContext, all_reduce_sum, distributed
 from .timing import synchronize
 
@@ -63,6 +65,10 @@ class TrainConfig:
                         "pixels, plus random mirroring (0: mirroring only)")
     tta: bool = opt(False, "test-time augmentation: classify each test image and its mirror "
                     "image, summing the two outputs")
+    tta_shift: int = opt(0, "with --tta, also classify both views shifted by this many pixels "
+                         "up-left and down-right (edges mirrored), at half weight (0: off)")
+    ema: float = opt(0.0, "evaluate an exponential moving average of the weights and "
+                     "BatchNorm statistics, updated every step with this decay (0: off)")
     bf16: bool = opt(True, "bf16 autocast")
     channels_last: bool = opt(True, "channels_last memory format")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
@@ -70,6 +76,9 @@ class TrainConfig:
         False, "record forward and backward, DDP's all-reduces included, as one CUDA graph "
         "replayed every step (the optimizer runs after it); with --compile default or none. "
         "On a CPU the step runs eagerly")
+    bf16_grads: bool = opt(False, "DDP: all-reduce the gradients in bfloat16 (half the bytes)")
+    bucket_view: bool = opt(False, "DDP: gradients are views into the all-reduce buckets")
+    bucket_mb: float = opt(25.0, "DDP: gradient bucket size in MB")
     loader: Literal["device", "dataloader"] = opt(
         "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
     workers: int = opt(4, "DataLoader worker processes per rank")
@@ -100,6 +109,10 @@ class TrainConfig:
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
             (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
+            (self.tta_shift >= 0, f"--tta-shift must be >= 0, got {self.tta_shift}"),
+            (not self.tta_shift or self.tta, "--tta-shift needs --tta"),
+            (0 <= self.ema < 1, f"--ema must be a decay in [0, 1), got {self.ema}"),
+            (self.bucket_mb > 0, f"--bucket-mb must be > 0, got {self.bucket_mb}"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
              "none, not reduce-overhead"),
@@ -172,7 +185,11 @@ class Trainer:
         with self.graph.stream():
             # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA
             # graphs and DDP all-reduces the gradients once the compiled backward produced them.
-            self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
+            tuning = DDPTuning(cfg.bucket_mb, cfg.bucket_view, cfg.bf16_grads)
+            self.model = tuning.wrap(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
+        # The average lives beside the network, uncompiled, and is what evaluate() tests.
+        self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema),
+                                 use_buffers=True) if cfg.ema else None
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
         # fused: on a GPU, decay, momentum and update in one pass over the tensors, not three
@@ -206,15 +223,18 @@ class Trainer:
             "model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "rng": rng_state(self.ctx.device),
             "epoch": epoch, "config": to_dict(self.cfg), "world_size": self.ctx.world_size,
+            "ema": self.ema.state_dict() if self.ema else None,
         })
 
     def restore(self) -> None:
         keys = ("depth", "width", "batch", "scaling", "seed", "epochs", "schedule",
-                "norm_weight_decay")
+                "norm_weight_decay", "ema")
         state = load_checkpoint(self.checkpoint_path, {k: getattr(self.cfg, k) for k in keys})
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.ema:
+            self.ema.load_state_dict(state["ema"])
         set_rng_state(state["rng"], self.ctx.device)
         self.start_epoch = state["epoch"] + 1
 
@@ -236,6 +256,8 @@ class Trainer:
             out, loss = self.forward_backward(x, y)
             self.optimizer.step()
             self.scheduler.step()
+            if self.ema:
+                self.ema.update_parameters(self.net)
             # Accumulate on the device: a .item() per step would stall the GPU queue.
             loss_sum += loss.detach() * len(y)
             correct += (out.argmax(1) == y).sum()
@@ -315,25 +337,46 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.model.eval()
+        model = self.ema.module if self.ema else self.model
+        model.eval()
         correct = torch.zeros((), device=self.ctx.device, dtype=torch.long)
         seen = 0
         for x, y in self.test_loader:
             with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
-                out = predict(self.model, x, self.cfg.tta)
+                out = predict(model, x, self.cfg.tta, self.cfg.tta_shift)
                 correct += (out.argmax(1) == y).sum()
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
         return total_correct / n
 
 
-def predict(model: torch.nn.Module, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
-    """Logits for ``x``; with ``tta``, plus the logits of its mirror image."""
+def predict(model: torch.nn.Module, x: torch.Tensor, tta: bool = False,
+            shift: int = 0) -> torch.Tensor:
+    """Logits for ``x``; with ``tta``, plus the logits of its mirror image, and with ``shift``
+    also those of both views moved ``shift`` pixels up-left and down-right, at half weight."""
     out = model(x)
     if not tta:
         return out
-    # A CUDA-graph replay returns the same output memory every time: keep the first result.
-    return out.clone() + model(torch.flip(x, dims=[3]))
+    # A CUDA-graph replay returns the same output memory every time: keep each result.
+    out = out.clone()
+    for view in (x, torch.flip(x, dims=[3])):
+        if view is not x:
+            out += model(view)
+        if shift:
+            for s in (shift, -shift):
+                out += 0.5 * model(translate(view, s))
+    return out
+
+
+def translate(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x`` moved ``shift`` pixels down-right (up-left when negative), edges mirrored."""
+    s = abs(shift)
+    padded = F.pad(x, (s, s, s, s), mode="reflect")
+    start = s - shift  # the window of the padded image that holds the moved one
+    h, w = x.shape[-2:]
+    fmt = (torch.channels_last if x.is_contiguous(memory_format=torch.channels_last)
+           else torch.contiguous_format)  # a compiled network expects the layout it was given
+    return padded[..., start:start + h, start:start + w].contiguous(memory_format=fmt)
 
 
 def _progress(loader, ctx: DistContext, epoch: int, epochs: int):

@@ -4,7 +4,8 @@ gradients of one process on the whole batch?
     torchrun --standalone --nproc_per_node=2 -m tutorial_utils.parallel.equivalence --out r.jsonl
 
 Every rank builds the same model and the same global batch; rank r trains on the r-th slice.
-Rank 0 writes one JSON line with the largest gradient difference of each method.
+Rank 0 writes one JSON line with the largest gradient difference of each method (for the
+bf16 all-reduce, relative to the largest gradient).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .data_parallel import all_reduce_gradients, ddp
+from .ddp_tuning import DDPTuning
 from .distributed import DistContext, distributed
 
 
@@ -64,12 +66,22 @@ def compare(ctx: DistContext, batch: int, batchnorm: bool, sync_bn: bool) -> dic
         (F.cross_entropy(accumulated(x[mine][:half]), y[mine][:half]) / 2).backward()
     (F.cross_entropy(accumulated(x[mine][half:]), y[mine][half:]) / 2).backward()
 
+    tuned = {}  # DDP with its buckets as the gradients, and with a bf16 all-reduce too
+    for name, bf16 in (("bucket_view", False), ("bf16_grads", True)):
+        tuning = DDPTuning(bucket_mb=0.001, bucket_view=True, bf16_grads=bf16)  # many buckets
+        model = tuning.wrap(copy.deepcopy(base), ctx)
+        F.cross_entropy(model(x[mine]), y[mine]).backward()
+        tuned[name] = _grads(model)
+
     ref = _grads(reference)
+    scale = max(float(g.abs().max()) for g in ref)
     return {
         "world_size": ctx.world_size, "batchnorm": batchnorm, "sync_bn": sync_bn,
         "ddp_vs_reference": _max_diff(_grads(wrapped), ref),
         "manual_vs_ddp": _max_diff(_grads(manual), _grads(wrapped)),
         "no_sync_vs_reference": _max_diff(_grads(accumulated), ref),
+        "bucket_view_vs_reference": _max_diff(tuned["bucket_view"], ref),
+        "bf16_grads_vs_reference": _max_diff(tuned["bf16_grads"], ref) / scale,  # relative
     }
 
 

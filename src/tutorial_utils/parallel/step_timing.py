@@ -13,6 +13,9 @@ With ``--capture`` each timed step is one CUDA graph holding the whole step, all
 optimizer included (:class:`~tutorial_utils.graphs.StepGraph`); combine it with ``--compile
 default`` for fused kernels without torch.compile's own graphs.
 
+``--bucket-mb``, ``--bucket-view`` and ``--bf16-grads`` set how DDP buckets and all-reduces
+the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`).
+
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -30,7 +34,8 @@ import torch.nn.functional as F
 from ..graphs import StepGraph
 from ..models import wide_resnet
 from ..timing import benchmark, host_clock_without_sync, synchronize
-from .data_parallel import compile_for_ddp, ddp, measure_bus_bandwidth
+from .data_parallel import compile_for_ddp, measure_bus_bandwidth
+from .ddp_tuning import DDPTuning
 from .distributed import DistContext, distributed
 
 
@@ -45,6 +50,11 @@ def main(argv: list[str] | None = None) -> None:
                         default="none", help="torch.compile mode of the network inside DDP")
     parser.add_argument("--capture", action="store_true",
                         help="record each whole step as one CUDA graph (GPU only)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size")
+    parser.add_argument("--bucket-view", action="store_true",
+                        help="gradients as views into DDP's buckets (no copy)")
+    parser.add_argument("--bf16-grads", action="store_true",
+                        help="all-reduce the gradients in bfloat16")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
@@ -59,6 +69,10 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps(record) + "\n")
 
 
+def tuning(args: argparse.Namespace) -> DDPTuning:
+    return DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
+
+
 def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
             local_graph: StepGraph) -> dict:
     """Time the DDP step (in ``graph``) and the same step under ``no_sync`` (``local_graph``)."""
@@ -69,7 +83,7 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     with graph.stream():  # DDP is built on the stream that will capture it
         # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
         # after backward (compile_for_ddp says why).
-        model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
+        model = tuning(args).wrap(compile_for_ddp(net, args.compile, ctx), ctx)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
     x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=dev)
@@ -97,7 +111,8 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
         "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
         "capture": args.capture, "per_gpu_batch": args.batch, "ddp_ms": with_ddp.median_ms,
         "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
-        "host_ms": host.median_ms, "grad_bytes": grad_bytes, "bus_gbps": busbw,
+        "host_ms": host.median_ms, "ddp_tuning": asdict(tuning(args)),
+        "grad_bytes": grad_bytes, "bus_gbps": busbw,
         "device": str(dev),
     }
     if args.trace:
