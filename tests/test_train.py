@@ -246,6 +246,7 @@ def error_of(capsys, *argv):
         (["--step-graph", "--compile", "reduce-overhead"], "--step-graph records the whole step"),
         (["--crop-pad", "-1"], "--crop-pad must be >= 0"),
         (["--tta-shift", "1"], "--tta-shift needs --tta"),
+        (["--tta", "--tta-shift", "32"], "--tta-shift must be 0..31 pixels"),
         (["--ema", "1"], "--ema must be a decay in [0, 1)"),
         (["--bucket-mb", "0"], "--bucket-mb must be > 0"),
     ],

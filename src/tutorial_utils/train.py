@@ -109,7 +109,8 @@ class TrainConfig:
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.workers >= 0, f"--workers must be >= 0, got {self.workers}"),
             (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
-            (self.tta_shift >= 0, f"--tta-shift must be >= 0, got {self.tta_shift}"),
+            (0 <= self.tta_shift < 32, f"--tta-shift must be 0..31 pixels (mirrored edges "
+             f"of 32-pixel images), got {self.tta_shift}"),
             (not self.tta_shift or self.tta, "--tta-shift needs --tta"),
             (0 <= self.ema < 1, f"--ema must be a decay in [0, 1), got {self.ema}"),
             (self.bucket_mb > 0, f"--bucket-mb must be > 0, got {self.bucket_mb}"),
