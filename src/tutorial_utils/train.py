@@ -68,7 +68,8 @@ class TrainConfig:
     tta_shift: int = opt(0, "with --tta, also classify both views shifted by this many pixels "
                          "up-left and down-right (edges mirrored), at half weight (0: off)")
     ema: float = opt(0.0, "evaluate an exponential moving average of the weights and "
-                     "BatchNorm statistics, updated every step with this decay (0: off)")
+                     "BatchNorm statistics, updated every step with this decay (0: off); "
+                     "the update adds host work to every step")
     bf16: bool = opt(True, "bf16 autocast")
     channels_last: bool = opt(True, "channels_last memory format")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
@@ -358,14 +359,13 @@ def predict(model: torch.nn.Module, x: torch.Tensor, tta: bool = False,
     out = model(x)
     if not tta:
         return out
-    # A CUDA-graph replay returns the same output memory every time: keep each result.
+    # A CUDA-graph replay returns the same output memory every time: keep the first result.
     out = out.clone()
-    for view in (x, torch.flip(x, dims=[3])):
-        if view is not x:
-            out += model(view)
-        if shift:
-            for s in (shift, -shift):
-                out += 0.5 * model(translate(view, s))
+    mirror = torch.flip(x, dims=[3])
+    out += model(mirror)
+    for view in (x, mirror) if shift else ():
+        for s in (shift, -shift):
+            out += 0.5 * model(translate(view, s))
     return out
 
 

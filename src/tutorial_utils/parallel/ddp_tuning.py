@@ -46,11 +46,3 @@ class DDPTuning:
             # DDP itself uses.
             model.register_comm_hook(None, bf16_compress_hook)
         return model
-
-    def describe(self) -> str:
-        parts = [f"{self.bucket_mb:g} MB buckets"]
-        if self.bucket_view:
-            parts.append("gradients as bucket views")
-        if self.bf16_grads:
-            parts.append("bf16 all-reduce")
-        return ", ".join(parts)
