@@ -69,10 +69,6 @@ def main(argv: list[str] | None = None) -> None:
                 f.write(json.dumps(record) + "\n")
 
 
-def tuning(args: argparse.Namespace) -> DDPTuning:
-    return DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
-
-
 def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
             local_graph: StepGraph) -> dict:
     """Time the DDP step (in ``graph``) and the same step under ``no_sync`` (``local_graph``)."""
@@ -80,10 +76,11 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
+    settings = DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
     with graph.stream():  # DDP is built on the stream that will capture it
         # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
         # after backward (compile_for_ddp says why).
-        model = tuning(args).wrap(compile_for_ddp(net, args.compile, ctx), ctx)
+        model = settings.wrap(compile_for_ddp(net, args.compile, ctx), ctx)
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
     x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=dev)
@@ -111,7 +108,7 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
         "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
         "capture": args.capture, "per_gpu_batch": args.batch, "ddp_ms": with_ddp.median_ms,
         "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
-        "host_ms": host.median_ms, "ddp_tuning": asdict(tuning(args)),
+        "host_ms": host.median_ms, "ddp_tuning": asdict(settings),
         "grad_bytes": grad_bytes, "bus_gbps": busbw,
         "device": str(dev),
     }
