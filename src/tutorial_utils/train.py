@@ -28,6 +28,8 @@ from .data import Cifar10, DataError, DeviceLoader, dataloader, load_cifar10, no
 from .devices import NotEnoughGPUsError
 from .graphs import StepGraph
 from .models import WideResNet
+from .models.ghost_norm import convert_ghost_batchnorm
+from .models.wrn import BasicBlock
 from .parallel.data_parallel import compile_for_ddp
 from .parallel.ddp_tuning import DDPTuning
 from .parallel.distributed import DistContext, all_reduce_sum, distributed
@@ -63,6 +65,14 @@ class TrainConfig:
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
     crop_pad: int = opt(4, "augmentation: random crops from images padded by this many "
                         "pixels, plus random mirroring (0: mirroring only)")
+    alternate_flip: bool = opt(
+        False, "mirror each image at random in the first epoch, then the other way round "
+        "every next epoch (GPU-resident loader only)")
+    ghost_batch: int = opt(0, "BatchNorm statistics over groups of this many images of each "
+                           "process's batch (ghost batch norm; 0: the whole batch)")
+    zero_init_residual: bool = opt(
+        False, "start every residual block's last convolution at zero, so each block starts "
+        "as its shortcut")
     tta: bool = opt(False, "test-time augmentation: classify each test image and its mirror "
                     "image, summing the two outputs")
     tta_shift: int = opt(0, "with --tta, also classify both views shifted by this many pixels "
@@ -114,6 +124,10 @@ class TrainConfig:
              f"of 32-pixel images), got {self.tta_shift}"),
             (not self.tta_shift or self.tta, "--tta-shift needs --tta"),
             (0 <= self.ema < 1, f"--ema must be a decay in [0, 1), got {self.ema}"),
+            (self.ghost_batch == 0 or self.ghost_batch >= 2,
+             f"--ghost-batch must be 0 (off) or >= 2 images, got {self.ghost_batch}"),
+            (not self.alternate_flip or self.loader == "device",
+             "--alternate-flip needs --loader device"),
             (self.bucket_mb > 0, f"--bucket-mb must be > 0, got {self.bucket_mb}"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
@@ -125,14 +139,18 @@ class TrainConfig:
 
     def batches(self, world_size: int) -> tuple[int, int]:
         """(per-process batch, global batch) for ``world_size`` processes."""
-        if self.scaling == "weak":
-            return self.batch, self.batch * world_size
-        if self.batch % world_size:
+        if self.scaling == "strong" and self.batch % world_size:
             raise ConfigError(
                 f"global --batch {self.batch} is not divisible by {world_size} processes; "
                 f"use a multiple of {world_size}, or --scaling weak"
             )
-        return self.batch // world_size, self.batch
+        per_gpu = self.batch if self.scaling == "weak" else self.batch // world_size
+        if self.ghost_batch and per_gpu % self.ghost_batch:
+            raise ConfigError(
+                f"the batch of each process ({per_gpu}) is not a multiple of --ghost-batch "
+                f"{self.ghost_batch}; pick a divisor of it"
+            )
+        return per_gpu, per_gpu * world_size
 
     def peak_lr(self, world_size: int) -> float:
         return self.lr * self.batches(world_size)[1] / REFERENCE_BATCH
@@ -163,6 +181,17 @@ def param_groups(net: torch.nn.Module, weight_decay: float,
             {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
 
 
+def zero_init_residual(net: WideResNet) -> None:
+    """Zero the last convolution of every block: each block starts as its shortcut alone.
+
+    The network then starts shallow and grows its residual branches as training needs them,
+    which lets a short run take a high learning rate from its first steps.
+    """
+    for block in net.modules():
+        if isinstance(block, BasicBlock):
+            torch.nn.init.zeros_(block.conv2.weight)
+
+
 @dataclass
 class Trainer:
     cfg: TrainConfig
@@ -176,8 +205,12 @@ class Trainer:
         self.per_gpu, self.global_batch = cfg.batches(ctx.world_size)
         torch.manual_seed(cfg.seed)
         fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
-        self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout).to(ctx.device,
-                                                                              memory_format=fmt)
+        self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout)
+        if cfg.zero_init_residual:
+            zero_init_residual(self.net)
+        if cfg.ghost_batch:
+            convert_ghost_batchnorm(self.net, cfg.ghost_batch)
+        self.net.to(ctx.device, memory_format=fmt)
         # With --step-graph, forward and backward are recorded by warm_up() into one CUDA
         # graph; DDP must be built on the stream that records it.
         self.graph = StepGraph(ctx.device, enabled=cfg.step_graph)
@@ -211,7 +244,8 @@ class Trainer:
         if cfg.loader == "device":
             return DeviceLoader(d.train_x, d.train_y, self.per_gpu, device=ctx.device,
                                 rank=ctx.rank, world_size=ctx.world_size, seed=cfg.seed,
-                                channels_last=cfg.channels_last, crop_pad=cfg.crop_pad)
+                                channels_last=cfg.channels_last, crop_pad=cfg.crop_pad,
+                                alternate_flip=cfg.alternate_flip)
         return dataloader(d.train_x, d.train_y, self.per_gpu, rank=ctx.rank,
                           world_size=ctx.world_size, seed=cfg.seed, workers=cfg.workers,
                           pin_memory=ctx.device.type == "cuda", crop_pad=cfg.crop_pad)
@@ -230,7 +264,7 @@ class Trainer:
 
     def restore(self) -> None:
         keys = ("depth", "width", "batch", "scaling", "seed", "epochs", "schedule",
-                "norm_weight_decay", "ema")
+                "norm_weight_decay", "ema", "ghost_batch")
         state = load_checkpoint(self.checkpoint_path, {k: getattr(self.cfg, k) for k in keys})
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
