@@ -132,22 +132,6 @@ def test_device_loader_without_crop_padding_only_mirrors():
     assert 0 < sum(same) < 32
 
 
-def test_alternate_flip_shows_each_image_both_ways_every_two_epochs():
-    x = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
-    loader = DeviceLoader(x, torch.arange(32), 32, device=torch.device("cpu"), crop_pad=0,
-                          alternate_flip=True)
-    views = []
-    for epoch in range(3):
-        loader.set_epoch(epoch)
-        ((xb, yb),) = list(loader)
-        views.append(xb[yb.argsort()])  # back in dataset order
-    originals = normalize(x)
-    mirrored = [torch.equal(a, b.flip(-1)) for a, b in zip(views[0], originals, strict=True)]
-    assert 0 < sum(mirrored) < 32
-    assert torch.equal(views[1], views[0].flip(-1))  # the other way round in the next epoch
-    assert torch.equal(views[2], views[0])
-
-
 def test_device_loader_eval_covers_every_sample_once():
     x = torch.zeros(103, 3, 32, 32, dtype=torch.uint8)
     y = torch.arange(103)

@@ -5,7 +5,7 @@ import torch
 
 from tutorial_utils import checkpoint as ckpt_mod
 from tutorial_utils import train as train_mod
-from tutorial_utils.checkpoint import load_checkpoint, save_checkpoint
+from tutorial_utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from tutorial_utils.config import ConfigError
 from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.devices import gpu_count
@@ -133,21 +133,11 @@ def test_step_graph_on_a_gpu_trains_like_the_eager_step(tmp_path):
     assert graphed[-1] < graphed[0]
 
 
-def test_zero_init_residual_starts_every_block_as_its_shortcut():
-    net = train_mod.WideResNet(depth=16, width=2)
-    train_mod.zero_init_residual(net)
-    x = torch.randn(2, 32, 8, 8)
-    identity, projection = net[2], net[3]  # second block of group 1; first of group 2
-    assert projection.shortcut is not None and identity.shortcut is None
-    torch.testing.assert_close(identity(x), x)
-    torch.testing.assert_close(projection(x), projection.shortcut(torch.relu(projection.bn1(x))))
-    assert projection.conv1.weight.any()  # the branch's first convolution still learns
-
-
-def test_short_run_options_train(tmp_path):
-    cfg = tiny(tmp_path, epochs=3, ghost_batch=16, zero_init_residual=True, alternate_flip=True)
-    records = run(cfg, CPU)
+def test_ghost_batch_norm_trains_and_resumes_only_with_the_same_groups(tmp_path):
+    records = run(tiny(tmp_path, epochs=3, ghost_batch=16), CPU)
     assert records[-1]["train_loss"] < records[0]["train_loss"]
+    with pytest.raises(CheckpointError, match="ghost_batch=16 \\(this run: 0\\)"):
+        run(tiny(tmp_path, epochs=4, resume=True), CPU)
 
 
 def test_norm_weight_decay_off_spares_only_one_dimensional_tensors():
@@ -268,7 +258,6 @@ def error_of(capsys, *argv):
         (["--bucket-mb", "0"], "--bucket-mb must be > 0"),
         (["--ghost-batch", "1"], "--ghost-batch must be 0 (off) or >= 2 images"),
         (["--ghost-batch", "48"], "batch of each process (128) is not a multiple of --ghost"),
-        (["--alternate-flip", "--loader", "dataloader"], "--alternate-flip needs --loader"),
     ],
 )
 def test_bad_options(capsys, argv, message):

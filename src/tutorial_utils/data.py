@@ -198,21 +198,17 @@ def normalize(x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
 
 
 def random_crop_flip(
-    x: torch.Tensor, generator: torch.Generator | None = None, pad: int = 4,
-    flip: torch.Tensor | None = None,
+    x: torch.Tensor, generator: torch.Generator | None = None, pad: int = 4
 ) -> torch.Tensor:
     """Per-image random crop from a ``pad``-pixel zero-padded copy, and random horizontal flip.
 
-    ``flip`` (one bool per image) chooses the mirrored images instead of a coin toss. Works on
-    a whole batch at once on any device: one padded copy, then a gather.
+    Works on a whole batch at once on any device: one padded copy, then a gather.
     """
     n, _, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))
     dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=x.device, generator=generator)
     dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=x.device, generator=generator)
-    if flip is None:
-        flip = torch.rand(n, device=x.device, generator=generator) < 0.5
-    flip = flip.view(n, 1, 1)
+    flip = torch.rand(n, 1, 1, device=x.device, generator=generator) < 0.5
     rows = dy + torch.arange(h, device=x.device).view(1, h, 1)
     cols = torch.arange(w, device=x.device).view(1, 1, w)
     cols = dx + torch.where(flip, w - 1 - cols, cols)
@@ -225,23 +221,16 @@ class DeviceLoader:
 
     Every rank draws the same per-epoch permutation from ``seed + epoch``, takes every
     ``world_size``-th index from position ``rank``, and drops the tail so all ranks run the
-    same number of steps. With ``alternate_flip``, each image is mirrored or not at random in
-    the first epoch and the other way round in the next, and so on: every two epochs show
-    every image both ways, where coin tosses would repeat one side for a quarter of them.
+    same number of steps.
     """
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, *, device: torch.device,
                  rank: int = 0, world_size: int = 1, train: bool = True, seed: int = 0,
-                 channels_last: bool = False, crop_pad: int = 4,
-                 alternate_flip: bool = False) -> None:
+                 channels_last: bool = False, crop_pad: int = 4) -> None:
         self.x, self.y = x.to(device), y.to(device)
         self.batch, self.device, self.rank, self.world = batch, device, rank, world_size
         self.train, self.seed, self.channels_last = train, seed, channels_last
         self.crop_pad = crop_pad
-        self.first_flips = None  # per image: mirrored in even epochs
-        if alternate_flip:
-            g = torch.Generator().manual_seed(seed)
-            self.first_flips = (torch.rand(len(x), generator=g) < 0.5).to(device)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -272,10 +261,7 @@ class DeviceLoader:
             b = idx[i : i + self.batch]
             x = self.x[b]
             if self.train:
-                flip = None
-                if self.first_flips is not None:
-                    flip = self.first_flips[b] ^ bool(self.epoch % 2)
-                x = random_crop_flip(x, g, self.crop_pad, flip)
+                x = random_crop_flip(x, g, self.crop_pad)
             yield normalize(x, self.channels_last), self.y[b]
 
 

@@ -29,7 +29,6 @@ from .devices import NotEnoughGPUsError
 from .graphs import StepGraph
 from .models import WideResNet
 from .models.ghost_norm import convert_ghost_batchnorm
-from .models.wrn import BasicBlock
 from .parallel.data_parallel import compile_for_ddp
 from .parallel.ddp_tuning import DDPTuning
 from .parallel.distributed import DistContext, all_reduce_sum, distributed
@@ -65,14 +64,9 @@ class TrainConfig:
     label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
     crop_pad: int = opt(4, "augmentation: random crops from images padded by this many "
                         "pixels, plus random mirroring (0: mirroring only)")
-    alternate_flip: bool = opt(
-        False, "mirror each image at random in the first epoch, then the other way round "
-        "every next epoch (GPU-resident loader only)")
     ghost_batch: int = opt(0, "BatchNorm statistics over groups of this many images of each "
-                           "process's batch (ghost batch norm; 0: the whole batch)")
-    zero_init_residual: bool = opt(
-        False, "start every residual block's last convolution at zero, so each block starts "
-        "as its shortcut")
+                           "process's batch (ghost batch norm: noisier statistics, like a "
+                           "smaller batch; 0: the whole batch); each step takes longer")
     tta: bool = opt(False, "test-time augmentation: classify each test image and its mirror "
                     "image, summing the two outputs")
     tta_shift: int = opt(0, "with --tta, also classify both views shifted by this many pixels "
@@ -126,8 +120,6 @@ class TrainConfig:
             (0 <= self.ema < 1, f"--ema must be a decay in [0, 1), got {self.ema}"),
             (self.ghost_batch == 0 or self.ghost_batch >= 2,
              f"--ghost-batch must be 0 (off) or >= 2 images, got {self.ghost_batch}"),
-            (not self.alternate_flip or self.loader == "device",
-             "--alternate-flip needs --loader device"),
             (self.bucket_mb > 0, f"--bucket-mb must be > 0, got {self.bucket_mb}"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
@@ -181,17 +173,6 @@ def param_groups(net: torch.nn.Module, weight_decay: float,
             {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0}]
 
 
-def zero_init_residual(net: WideResNet) -> None:
-    """Zero the last convolution of every block: each block starts as its shortcut alone.
-
-    The network then starts shallow and grows its residual branches as training needs them,
-    which lets a short run take a high learning rate from its first steps.
-    """
-    for block in net.modules():
-        if isinstance(block, BasicBlock):
-            torch.nn.init.zeros_(block.conv2.weight)
-
-
 @dataclass
 class Trainer:
     cfg: TrainConfig
@@ -206,8 +187,6 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout)
-        if cfg.zero_init_residual:
-            zero_init_residual(self.net)
         if cfg.ghost_batch:
             convert_ghost_batchnorm(self.net, cfg.ghost_batch)
         self.net.to(ctx.device, memory_format=fmt)
@@ -244,8 +223,7 @@ class Trainer:
         if cfg.loader == "device":
             return DeviceLoader(d.train_x, d.train_y, self.per_gpu, device=ctx.device,
                                 rank=ctx.rank, world_size=ctx.world_size, seed=cfg.seed,
-                                channels_last=cfg.channels_last, crop_pad=cfg.crop_pad,
-                                alternate_flip=cfg.alternate_flip)
+                                channels_last=cfg.channels_last, crop_pad=cfg.crop_pad)
         return dataloader(d.train_x, d.train_y, self.per_gpu, rank=ctx.rank,
                           world_size=ctx.world_size, seed=cfg.seed, workers=cfg.workers,
                           pin_memory=ctx.device.type == "cuda", crop_pad=cfg.crop_pad)
