@@ -77,6 +77,8 @@ def test_ghost_batchnorm_of_one_group_is_batchnorm_and_rejects_ragged_batches():
         GhostBatchNorm2d(4, 4)(torch.randn(6, 4, 3, 3))
     with pytest.raises(ValueError, match="at least 2 images"):
         GhostBatchNorm2d(4, 1)
+    with pytest.raises(ValueError, match="needs a momentum, a scale and shift"):
+        convert_ghost_batchnorm(torch.nn.BatchNorm2d(4, affine=False), 2)
 
 
 def test_converted_wrn_has_no_plain_batchnorm_left_and_trains():

@@ -19,8 +19,9 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
         super().__init__(num_features, **kwargs)
         if group < 2:
             raise ValueError(f"a ghost batch needs at least 2 images, got {group}")
-        if self.momentum is None:
-            raise ValueError("GhostBatchNorm2d needs a momentum (no cumulative average)")
+        if self.momentum is None or not (self.affine and self.track_running_stats):
+            raise ValueError("ghost batch norm needs a momentum, a scale and shift, and "
+                             "running statistics (BatchNorm2d's defaults)")
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,9 +47,10 @@ def convert_ghost_batchnorm(module: nn.Module, group: int) -> nn.Module:
     """Replace every ``BatchNorm2d`` in ``module`` by a ``GhostBatchNorm2d`` with its state."""
     if isinstance(module, nn.BatchNorm2d) and not isinstance(module, GhostBatchNorm2d):
         ghost = GhostBatchNorm2d(module.num_features, group, eps=module.eps,
-                                 momentum=module.momentum)
+                                 momentum=module.momentum, affine=module.affine,
+                                 track_running_stats=module.track_running_stats)
         ghost.load_state_dict(module.state_dict())
-        return ghost.to(module.weight.device)
+        return ghost.to(module.running_mean.device)
     for name, child in module.named_children():
         setattr(module, name, convert_ghost_batchnorm(child, group))
     return module
