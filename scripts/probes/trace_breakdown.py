@@ -1,0 +1,70 @@
+"""Probe (not part of the book): where the GPU time of a profiled training step goes.
+
+    python scripts/probes/trace_breakdown.py STEPS TRACE.json[.gz] [TRACE ...]
+
+Reads Chrome traces written by ``python -m tutorial_utils.parallel.step_timing --trace``
+(``STEPS`` profiled steps each, 5 there) and prints per step: the period (first GPU event to
+last, divided by ``STEPS``); the GPU time of all other kernels and copies, summed (forward,
+backward, optimizer, DDP's bucket copies); the GPU time of NCCL's kernels, and the part of it
+during which nothing else ran (exposed); and the time with nothing running at all (idle).
+Comparing a one-GPU trace with a two-GPU one splits the DDP step's extra time into work that
+got slower beside NCCL and communication that nothing hid.
+"""
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+
+def gpu_events(path: Path) -> list[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy",
+                                                                          "gpu_memset")]
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) -> float:
+    """Time of ``spans`` covered by the merged intervals ``busy``."""
+    total = 0.0
+    for a, b in spans:
+        for c, d in busy:
+            total += max(0.0, min(b, d) - max(a, c))
+    return total
+
+
+def breakdown(path: Path, steps: int) -> dict[str, float]:
+    events = gpu_events(path)
+    spans = {True: [], False: []}  # is NCCL -> [(start, end)]
+    for e in events:
+        spans["nccl" in e["name"].lower()].append((e["ts"], e["ts"] + e["dur"]))
+    other_busy = merged(spans[False])
+    start = min(a for a, _ in spans[True] + spans[False])
+    end = max(b for _, b in spans[True] + spans[False])
+    nccl_us = sum(b - a for a, b in spans[True])
+    any_busy_us = sum(b - a for a, b in merged(spans[True] + spans[False]))
+    ms = 1e-3 / steps
+    return {"period": (end - start) * ms,
+            "kernels": sum(b - a for a, b in spans[False]) * ms,
+            "nccl": nccl_us * ms,
+            "exposed": (nccl_us - overlap(spans[True], other_busy)) * ms,
+            "idle": (end - start - any_busy_us) * ms}
+
+
+steps = int(sys.argv[1])
+columns = ("period ms", "kernels ms", "nccl ms", "exposed ms", "idle ms")
+print(f"{'trace':<44}" + "".join(f"{c:>12}" for c in columns))
+for name in sys.argv[2:]:
+    row = breakdown(Path(name), steps)
+    print(f"{Path(name).name:<44}" + "".join(f"{v:>12.3f}" for v in row.values()))
