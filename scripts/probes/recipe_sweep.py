@@ -2,10 +2,12 @@
 
     python scripts/probes/recipe_sweep.py OUT_DIR [BUDGET_S [VARIANT ...]]
 
-Every variant is the recipe (chapter 5's fast recipe before ``--crop-pad 2`` joined it) plus its
-flags — the ``fast`` ones start from chapter 5's recipe itself — run with
-``tutorial_utils.experiment.train``; each run's metrics go to ``OUT_DIR/<variant>/metrics.jsonl``. No variant starts after ``BUDGET_S`` seconds (default 480).
-Without VARIANT names, all run. One seed per variant: differences under ~0.3 points are noise.
+Every variant is the recipe (chapter 5's fast recipe before ``--crop-pad 2`` joined it) plus
+its flags — the ``fast`` ones start from chapter 5's recipe itself — run with
+``tutorial_utils.experiment.train``; each run's metrics go to
+``OUT_DIR/<variant>/metrics.jsonl``. No variant starts after ``BUDGET_S`` seconds (default
+480). Without VARIANT names, all run. One seed per variant: differences under ~0.3 points are
+noise.
 """
 
 import os
