@@ -82,7 +82,6 @@ def test_ddp_and_hand_written_all_reduce_match_one_process(tmp_path):
 def test_ddp_tuning_keeps_the_gradients(tmp_path):
     row = _equivalence(tmp_path)
     assert row["bucket_view_vs_reference"] < 1e-6  # the same sums, without the copies
-    assert row["reduce_avg_vs_reference"] < 1e-6  # averaged by the all-reduce: the same mean
     # each rank's gradient rounded to bf16 (8 significant bits) before the sum: close, not equal
     assert 0 < row["bf16_grads_vs_reference"] < 2 ** -7
 

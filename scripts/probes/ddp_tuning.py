@@ -4,13 +4,13 @@
 
 Runs ``python -m tutorial_utils.parallel.step_timing --capture --compile default`` on one GPU
 (the reference) and on two under each variant below — DDP's bucket size, gradients as bucket
-views, a bf16 all-reduce, an averaging all-reduce, NCCL's multiprocessor limit
-``NCCL_MAX_CTAS`` and its protocol ``NCCL_PROTO`` — at 128 images per GPU (weak scaling) and,
-for some, 64 (the post's batch of 128 split over two GPUs). No run starts after BUDGET_S
-seconds (default 480); without VARIANT@BATCH names (``ctas8@64``), all run. The NCCL log lines
-that give each run's channel count are printed (``NCCL_DEBUG=INFO``). The table gives each
-step's time, the compute alone (``no_sync``) and the speed-up over the one-GPU step graph at
-the same global (strong) or per-GPU (weak) batch.
+views, a bf16 all-reduce, NCCL's multiprocessor limit ``NCCL_MAX_CTAS`` and its protocol
+``NCCL_PROTO`` — at 128 images per GPU (weak scaling) and, for some, 64 (the post's batch of
+128 split over two GPUs). No run starts after BUDGET_S seconds (default 480); without
+VARIANT@BATCH names (``ctas8@64``), all run. The NCCL log lines that give each run's channel
+count are printed (``NCCL_DEBUG=INFO``). The table gives each step's time, the compute alone
+(``no_sync``) and the speed-up over the one-GPU step graph at the same global (strong) or per-
+GPU (weak) batch.
 """
 
 import json
@@ -33,9 +33,6 @@ VARIANTS = {
     "ctas16": ([], {"NCCL_MAX_CTAS": "16"}, (128,)),
     "ctas4+bf16+view": (["--bf16-grads", "--bucket-view"], {"NCCL_MAX_CTAS": "4"}, (128, 64)),
     "100MB+bf16+view": (["--bf16-grads", "--bucket-view", "--bucket-mb", "100"], {}, (128,)),
-    # DDP scales every gradient by 1/world size on the compute stream; AVG leaves it to NCCL
-    "avg": (["--reduce-avg"], {}, (128,)),
-    "avg+view": (["--reduce-avg", "--bucket-view"], {}, (128, 64)),
     # NCCL's wire protocol, which it otherwise picks per message size: LL and LL128 poll
     # flags in the data on the multiprocessors, Simple synchronises per chunk
     "simple": ([], {"NCCL_PROTO": "Simple"}, (128, 64)),

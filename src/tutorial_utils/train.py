@@ -82,8 +82,6 @@ class TrainConfig:
         "replayed every step (the optimizer runs after it); with --compile default or none. "
         "On a CPU the step runs eagerly")
     bf16_grads: bool = opt(False, "DDP: all-reduce the gradients in bfloat16 (half the bytes)")
-    reduce_avg: bool = opt(False, "DDP: the all-reduce averages (NCCL's AVG), no scaling of "
-                           "each gradient before it")
     bucket_view: bool = opt(False, "DDP: gradients are views into the all-reduce buckets")
     bucket_mb: float = opt(25.0, "DDP: gradient bucket size in MB")
     loader: Literal["device", "dataloader"] = opt(
@@ -123,8 +121,6 @@ class TrainConfig:
             (self.ghost_batch == 0 or self.ghost_batch >= 2,
              f"--ghost-batch must be 0 (off) or >= 2 images, got {self.ghost_batch}"),
             (self.bucket_mb > 0, f"--bucket-mb must be > 0, got {self.bucket_mb}"),
-            (not (self.bf16_grads and self.reduce_avg),
-             "--bf16-grads and --reduce-avg are two all-reduce hooks: choose one"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
              "none, not reduce-overhead"),
@@ -203,7 +199,7 @@ class Trainer:
         with self.graph.stream():
             # Compiled inside DDP: with "reduce-overhead" forward and backward become CUDA
             # graphs and DDP all-reduces the gradients once the compiled backward produced them.
-            tuning = DDPTuning(cfg.bucket_mb, cfg.bucket_view, cfg.bf16_grads, cfg.reduce_avg)
+            tuning = DDPTuning(cfg.bucket_mb, cfg.bucket_view, cfg.bf16_grads)
             self.model = tuning.wrap(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
         # The average lives beside the network, uncompiled, and is what evaluate() tests.
         self.ema = AveragedModel(self.net, multi_avg_fn=get_ema_multi_avg_fn(cfg.ema),

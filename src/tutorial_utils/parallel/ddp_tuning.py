@@ -3,27 +3,23 @@
 DDP copies each gradient into a bucket (25 MB by default) and all-reduces a bucket as soon as
 backward has filled it, so communication runs beside the rest of backward. On fast GPUs that
 overlap is not free: NCCL's kernels occupy streaming multiprocessors and memory bandwidth
-that backward's kernels want at the same moment. Four knobs change the trade:
+that backward's kernels want at the same moment. Three knobs change the trade:
 
 - ``bucket_mb``: fewer, larger buckets mean fewer collectives but a later first one;
 - ``bucket_view`` (``gradient_as_bucket_view``): the gradients *are* views into the buckets,
   which saves a copy of every gradient per step and their memory;
 - ``bf16_grads``: all-reduce the buckets in bfloat16 (DDP's ``bf16_compress_hook``), half the
   bytes on the wire; each rank's gradient is rounded to bf16 before the sum, the optimizer
-  still sees float32 gradients;
-- ``reduce_avg``: the all-reduce averages (``ReduceOp.AVG``, which NCCL applies while it
-  sums) instead of DDP scaling every gradient by 1/world size on the compute stream first;
-  with ``bucket_view`` no per-gradient kernel is left. Backends without AVG (gloo) scale the
-  bucket, then sum.
+  still sees float32 gradients.
 
 How many of the GPU's multiprocessors NCCL may use is set by NCCL itself, through the
 ``NCCL_MAX_CTAS`` environment variable (read when the communicator is created).
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
@@ -36,14 +32,10 @@ class DDPTuning:
     bucket_mb: float = 25.0  # DDP's default
     bucket_view: bool = False
     bf16_grads: bool = False
-    reduce_avg: bool = False
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise ValueError(f"the DDP bucket size must be > 0 MB, got {self.bucket_mb}")
-        if self.bf16_grads and self.reduce_avg:
-            raise ValueError("bf16 gradients and the AVG all-reduce are two comm hooks; "
-                             "choose one")
 
     def wrap(self, module: nn.Module, ctx: DistContext) -> nn.Module:
         """:func:`~tutorial_utils.parallel.data_parallel.ddp` with these settings."""
@@ -53,23 +45,4 @@ class DDPTuning:
             # Registered before the first backward, as DDP requires; state None: the group
             # DDP itself uses.
             model.register_comm_hook(None, bf16_compress_hook)
-        if self.reduce_avg and ctx.is_distributed:
-            model.register_comm_hook(None, average_hook)
         return model
-
-
-def average_hook(group: dist.ProcessGroup | None,
-                 bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """A DDP comm hook: all-reduce the bucket with ``ReduceOp.AVG`` where the backend has it.
-
-    (DDP checks a hook's annotations as objects, so this module does without ``from
-    __future__ import annotations``.)
-    """
-    group = group or dist.group.WORLD
-    buffer = bucket.buffer()
-    op = dist.ReduceOp.AVG
-    if dist.get_backend(group) != "nccl":
-        buffer.div_(dist.get_world_size(group))
-        op = dist.ReduceOp.SUM
-    work = dist.all_reduce(buffer, op=op, group=group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])

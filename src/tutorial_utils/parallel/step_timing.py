@@ -13,8 +13,8 @@ With ``--capture`` each timed step is one CUDA graph holding the whole step, all
 optimizer included (:class:`~tutorial_utils.graphs.StepGraph`); combine it with ``--compile
 default`` for fused kernels without torch.compile's own graphs.
 
-``--bucket-mb``, ``--bucket-view``, ``--bf16-grads`` and ``--reduce-avg`` set how DDP buckets
-and all-reduces the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`).
+``--bucket-mb``, ``--bucket-view`` and ``--bf16-grads`` set how DDP buckets and all-reduces
+the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`).
 
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
@@ -55,8 +55,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="gradients as views into DDP's buckets (no copy)")
     parser.add_argument("--bf16-grads", action="store_true",
                         help="all-reduce the gradients in bfloat16")
-    parser.add_argument("--reduce-avg", action="store_true",
-                        help="the all-reduce averages (no scaling of each gradient first)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
@@ -78,7 +76,7 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
-    settings = DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads, args.reduce_avg)
+    settings = DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
     with graph.stream():  # DDP is built on the stream that will capture it
         # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
         # after backward (compile_for_ddp says why).
