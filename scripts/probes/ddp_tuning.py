@@ -9,8 +9,8 @@ views, a bf16 all-reduce, NCCL's multiprocessor limit ``NCCL_MAX_CTAS`` and its 
 128 split over two GPUs). No run starts after BUDGET_S seconds (default 480); without
 VARIANT@BATCH names (``ctas8@64``), all run. The NCCL log lines that give each run's channel
 count are printed (``NCCL_DEBUG=INFO``). The table gives each step's time, the compute alone
-(``no_sync``) and the speed-up over the one-GPU step graph at the same global (strong) or per-
-GPU (weak) batch.
+(``no_sync``) and the speed-up over the one-GPU step graph at the same global (strong) or
+per-GPU (weak) batch.
 """
 
 import json
