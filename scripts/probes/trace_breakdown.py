@@ -8,7 +8,10 @@ last, divided by ``STEPS``); the GPU time of all other kernels and copies, summe
 backward, optimizer, DDP's bucket copies); the GPU time of NCCL's kernels, and the part of it
 during which nothing else ran (exposed); and the time with nothing running at all (idle).
 Comparing a one-GPU trace with a two-GPU one splits the DDP step's extra time into work that
-got slower beside NCCL and communication that nothing hid.
+got slower beside NCCL and communication that nothing hid. A second table gives the GPU time
+per step by kind of kernel: convolutions and matrix products (cuDNN, cuBLAS), torch.compile's
+Triton kernels (BatchNorm, ReLU and other fused element-wise work), copies, the optimizer,
+eager element-wise kernels (such as DDP's scaling of each gradient by 1/world size), NCCL.
 """
 
 import gzip
@@ -44,6 +47,28 @@ def overlap(spans: list[tuple[float, float]], busy: list[tuple[float, float]]) -
     return total
 
 
+KINDS = {  # first match wins, on the lower-cased kernel name
+    "nccl": ("nccl",),
+    "triton": ("triton",),  # before the others: its names carry the fused ops ("convolution")
+    "conv/gemm": ("xmma", "sm90", "gemm", "cudnn", "conv"),
+    "copy": ("memcpy", "copy"),
+    "optimizer": ("multi_tensor", "sgd"),
+    "elementwise": ("elementwise",),
+}
+
+
+def kind(name: str) -> str:
+    name = name.lower()
+    return next((k for k, marks in KINDS.items() if any(m in name for m in marks)), "other")
+
+
+def by_kind(path: Path, steps: int) -> dict[str, float]:
+    totals = dict.fromkeys([*KINDS, "other"], 0.0)
+    for e in gpu_events(path):
+        totals[kind(e["name"])] += e["dur"] * 1e-3 / steps
+    return totals
+
+
 def breakdown(path: Path, steps: int) -> dict[str, float]:
     events = gpu_events(path)
     spans = {True: [], False: []}  # is NCCL -> [(start, end)]
@@ -63,8 +88,11 @@ def breakdown(path: Path, steps: int) -> dict[str, float]:
 
 
 steps = int(sys.argv[1])
+paths = [Path(name) for name in sys.argv[2:]]
 columns = ("period ms", "kernels ms", "nccl ms", "exposed ms", "idle ms")
 print(f"{'trace':<44}" + "".join(f"{c:>12}" for c in columns))
-for name in sys.argv[2:]:
-    row = breakdown(Path(name), steps)
-    print(f"{Path(name).name:<44}" + "".join(f"{v:>12.3f}" for v in row.values()))
+for path in paths:
+    print(f"{path.name:<44}" + "".join(f"{v:>12.3f}" for v in breakdown(path, steps).values()))
+print(f"\nGPU ms per step by kind\n{'trace':<44}" + "".join(f"{k:>12}" for k in [*KINDS, "other"]))
+for path in paths:
+    print(f"{path.name:<44}" + "".join(f"{v:>12.3f}" for v in by_kind(path, steps).values()))
