@@ -41,7 +41,7 @@ serve: book
 	$(PY) -m http.server --directory _build/html 8000
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check src tests
+	$(PY) -m ruff check src tests scripts
 	$(PY) -m pytest -q tests
 	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
 	$(PY) -m tutorial_utils.nbtools check $(NB)
