@@ -15,6 +15,8 @@ from torch import nn
 
 
 class GhostBatchNorm2d(nn.BatchNorm2d):
+    """``BatchNorm2d`` whose training statistics come from groups of ``group`` images."""
+
     def __init__(self, num_features: int, group: int, **kwargs) -> None:
         super().__init__(num_features, **kwargs)
         if group < 2:
