@@ -73,7 +73,7 @@ def breakdown(path: Path, steps: int) -> dict[str, float]:
     events = gpu_events(path)
     spans = {True: [], False: []}  # is NCCL -> [(start, end)]
     for e in events:
-        spans["nccl" in e["name"].lower()].append((e["ts"], e["ts"] + e["dur"]))
+        spans[kind(e["name"]) == "nccl"].append((e["ts"], e["ts"] + e["dur"]))
     other_busy = merged(spans[False])
     start = min(a for a, _ in spans[True] + spans[False])
     end = max(b for _, b in spans[True] + spans[False])
