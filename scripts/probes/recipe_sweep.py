@@ -22,6 +22,7 @@ RECIPE = ["--depth", "28", "--width", "10", "--epochs", "10", "--batch", "128", 
           "weak", "--label-smoothing", "0.1", "--tta", "--step-graph", "--compile", "default",
           "--data", os.environ.get("TUTORIAL_CIFAR10", "auto"), "--checkpoint-every", "0",
           "--seed", "0", "--device", "cuda"]
+FAST = ["--crop-pad", "2"]  # chapter 5's recipe itself
 VARIANTS = {
     "recipe": [],
     "crop-pad-2": ["--crop-pad", "2"],
@@ -33,9 +34,6 @@ VARIANTS = {
     "lr-0.05": ["--lr", "0.05"],
     "crop-pad-0": ["--crop-pad", "0"],
     "pad2+lr-0.05": ["--crop-pad", "2", "--lr", "0.05"],
-}
-FAST = ["--crop-pad", "2"]
-VARIANTS |= {
     "fast": FAST,
     "fast+ghost-32": [*FAST, "--ghost-batch", "32"],
     "fast@seed1": [*FAST, "--seed", "1"],
