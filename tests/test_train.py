@@ -256,6 +256,7 @@ def error_of(capsys, *argv):
         (["--tta", "--tta-shift", "32"], "--tta-shift must be 0..31 pixels"),
         (["--ema", "1"], "--ema must be a decay in [0, 1)"),
         (["--bucket-mb", "0"], "--bucket-mb must be > 0"),
+        (["--tune-kernels"], "--tune-kernels tunes the kernels torch.compile generates"),
         (["--ghost-batch", "1"], "--ghost-batch must be 0 (off) or >= 2 images"),
         (["--ghost-batch", "48"], "batch of each process (128) is not a multiple of --ghost"),
     ],

@@ -38,6 +38,7 @@ VARIANTS = {
     "fast+ghost-32": [*FAST, "--ghost-batch", "32"],
     "fast@seed1": [*FAST, "--seed", "1"],
     "fast+ghost-32@seed1": [*FAST, "--ghost-batch", "32", "--seed", "1"],
+    "fast+tune-kernels": [*FAST, "--tune-kernels"],
 }
 
 out_dir = Path(sys.argv[1])

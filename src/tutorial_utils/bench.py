@@ -6,11 +6,11 @@ Strong scaling keeps the global batch (the Torch7 post split its 128 across the 
 scaling keeps the per-GPU batch. Each regime is measured in three modes: eager, with CUDA graphs
 of the network (``torch.compile(mode="reduce-overhead")``) and with the whole step as one CUDA
 graph ("step graph": :class:`~tutorial_utils.graphs.StepGraph` around a step compiled with
-``torch.compile``'s default mode, all-reduces and optimizer included), with DataParallel for
-comparison, and every speed-up is a ratio against the best single-GPU run of
-the same invocation at the same global (strong) or per-GPU (weak) batch. The prediction uses
-chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring all-reduce
-at the bus bandwidth measured in the same run.
+``torch.compile``'s default mode, all-reduces and optimizer included, SGD fused as in
+``train.py``), with DataParallel for comparison, and every speed-up is a ratio against the best
+single-GPU run of the same invocation at the same global (strong) or per-GPU (weak) batch. The
+prediction uses chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring
+all-reduce at the bus bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def time_step_graph(model: str, batch: int, n: int, repeats: int, device: str) -
         out = Path(tmp) / "step.jsonl"
         args = ["--model", model, "--batch", str(batch), "--warmup", "5", "--repeats",
                 str(repeats), "--device", device, "--compile", "default", "--capture",
-                "--out", str(out)]
+                "--optimizer", "fused", "--out", str(out)]
         result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
                           metrics_file=out, echo=False)
     return result.metrics[0]

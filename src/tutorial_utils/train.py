@@ -77,6 +77,9 @@ class TrainConfig:
     bf16: bool = opt(True, "bf16 autocast")
     channels_last: bool = opt(True, "channels_last memory format")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
+    tune_kernels: bool = opt(
+        False, "with --compile: the compiler times block sizes of each kernel it generates and "
+        "keeps the fastest (coordinate-descent tuning): faster steps, longer compilation")
     step_graph: bool = opt(
         False, "record forward and backward, DDP's all-reduces included, as one CUDA graph "
         "replayed every step (the optimizer runs after it); with --compile default or none. "
@@ -121,6 +124,8 @@ class TrainConfig:
             (self.ghost_batch == 0 or self.ghost_batch >= 2,
              f"--ghost-batch must be 0 (off) or >= 2 images, got {self.ghost_batch}"),
             (self.bucket_mb > 0, f"--bucket-mb must be > 0, got {self.bucket_mb}"),
+            (not self.tune_kernels or self.compile != "none",
+             "--tune-kernels tunes the kernels torch.compile generates: add --compile default"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
              "none, not reduce-overhead"),
@@ -423,6 +428,10 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
         # must repeat exactly (the fastest kernels may sum in a different order each time).
         torch.backends.cudnn.benchmark = not cfg.deterministic
         torch.backends.cuda.matmul.allow_tf32 = True
+    if cfg.compile != "none":
+        from torch._inductor import config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = cfg.tune_kernels  # process-wide
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
         torch.use_deterministic_algorithms(True, warn_only=True)

@@ -46,8 +46,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--compile", choices=["none", "default", "reduce-overhead"],
-                        default="none", help="torch.compile mode of the network inside DDP")
+    parser.add_argument("--compile", default="none",
+                        choices=["none", "default", "reduce-overhead",
+                                 "max-autotune-no-cudagraphs"],
+                        help="torch.compile mode of the network inside DDP")
+    parser.add_argument("--tune-kernels", action="store_true",
+                        help="with --compile: coordinate-descent tuning of the generated "
+                        "kernels' block sizes")
+    parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
+                        help="SGD as a few multi-tensor kernels per step (foreach, as "
+                        "chapter 2's ladder) or one pass over each tensor (fused, as train.py)")
     parser.add_argument("--capture", action="store_true",
                         help="record each whole step as one CUDA graph (GPU only)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size")
@@ -74,6 +82,10 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     """Time the DDP step (in ``graph``) and the same step under ``no_sync`` (``local_graph``)."""
     dev = ctx.device
     torch.backends.cudnn.benchmark = True
+    if args.compile != "none":
+        from torch._inductor import config as inductor_config
+
+        inductor_config.coordinate_descent_tuning = args.tune_kernels  # process-wide
     torch.manual_seed(0)
     net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
     settings = DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
@@ -81,7 +93,9 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
         # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
         # after backward (compile_for_ddp says why).
         model = settings.wrap(compile_for_ddp(net, args.compile, ctx), ctx)
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    fused = args.optimizer == "fused"
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True,
+                          fused=fused or None, foreach=not fused or None)
     x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=dev)
     bf16 = dev.type == "cuda"
@@ -106,6 +120,7 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     synchronize(dev)
     record = {
         "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
+        "optimizer": args.optimizer, "tune_kernels": args.tune_kernels,
         "capture": args.capture, "per_gpu_batch": args.batch, "ddp_ms": with_ddp.median_ms,
         "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
         "host_ms": host.median_ms, "ddp_tuning": asdict(settings),
