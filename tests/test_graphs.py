@@ -104,3 +104,12 @@ def test_step_timing_records_a_captured_run(tmp_path):
     assert record["capture"] and record["world_size"] == 2
     assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0 and record["host_ms"] > 0
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+def test_step_timing_refuses_kernel_tuning_without_compilation(capsys, tmp_path):
+    from tutorial_utils.parallel import step_timing
+
+    with pytest.raises(SystemExit):
+        step_timing.main(["--tune-kernels", "--device", "cpu", "--out", str(tmp_path / "x")])
+    assert "--tune-kernels tunes the kernels torch.compile generates" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

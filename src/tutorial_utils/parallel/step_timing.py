@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
+    if args.tune_kernels and args.compile == "none":
+        parser.error("--tune-kernels tunes the kernels torch.compile generates: add --compile "
+                     "default")
 
     with distributed(args.device) as ctx:
         # The graphs are released (inner block) before the process group is destroyed.
