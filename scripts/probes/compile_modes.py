@@ -53,6 +53,8 @@ out_path = Path(sys.argv[1])
 budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 480
 chosen = sys.argv[3:] or list(VARIANTS)
 jobs = [(name, batch) for name in chosen for batch in (64, 128)]
+if not torch.cuda.is_available():
+    sys.exit("compile_modes.py times CUDA graphs: run it on a machine with a GPU")
 gpus: Queue = Queue()
 for g in range(torch.cuda.device_count()):
     gpus.put(g)
@@ -81,7 +83,7 @@ def run(job: tuple[str, int]) -> dict | None:
     return rec
 
 
-with ThreadPoolExecutor(max(gpus.qsize(), 1)) as pool:
+with ThreadPoolExecutor(gpus.qsize()) as pool:
     rows = [r for r in pool.map(run, jobs) if r]
 eager = {r["per_gpu_batch"]: r["ddp_ms"] for r in rows if r["variant"] == "eager"}
 print(f"\n{'variant':<24}{'batch':>6}{'step ms':>9}{'host ms':>9}{'vs eager':>9}")
