@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tutorial_utils.graphs import StepGraph
-from tutorial_utils.launch import torchrun
+from tutorial_utils.launch import LaunchError, torchrun
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -93,6 +93,29 @@ def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
 def test_ddp_all_reduces_run_inside_the_replayed_graph():
     result = torchrun(str(WORKERS / "graph_ddp.py"), nproc=2, timeout_s=300, echo=False)
     assert "graph_ddp ok" in result.output
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.multigpu)])
+def test_grad_buckets_train_like_ddp_and_refuse_unused_parameters(device):
+    # on GPUs the GradBuckets steps are replayed from one CUDA graph
+    result = torchrun(str(WORKERS / "grad_buckets.py"), [device], nproc=2, timeout_s=300,
+                      echo=False)
+    assert "grad_buckets ok" in result.output
+
+
+def test_step_timing_times_grad_buckets_and_refuses_ddp_settings_with_them(tmp_path):
+    out = tmp_path / "st.jsonl"
+    args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
+            "--device", "cpu", "--capture", "--grad-sync", "buckets", "--bucket-mb", "0.01",
+            "--out", str(out)]
+    torchrun("tutorial_utils.parallel.step_timing", args, nproc=2, timeout_s=300, echo=False)
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["grad_sync"] == "buckets" and record["world_size"] == 2
+    assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0
+    with pytest.raises(LaunchError) as err:
+        torchrun("tutorial_utils.parallel.step_timing", [*args, "--bf16-grads"], nproc=1,
+                 timeout_s=120, echo=False)
+    assert "--bucket-view and --bf16-grads are DDP settings" in err.value.output
 
 
 def test_step_timing_records_a_captured_run(tmp_path):

@@ -14,7 +14,10 @@ optimizer included (:class:`~tutorial_utils.graphs.StepGraph`); combine it with 
 default`` for fused kernels without torch.compile's own graphs.
 
 ``--bucket-mb``, ``--bucket-view`` and ``--bf16-grads`` set how DDP buckets and all-reduces
-the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`).
+the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`). ``--grad-sync buckets``
+replaces DDP by the hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets`
+(bucketed all-reduces during backward with fewer kernels; a compiled network is then compiled
+child by child so that its gradients come out during backward).
 
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
@@ -37,6 +40,7 @@ from ..timing import benchmark, host_clock_without_sync, synchronize
 from .data_parallel import compile_for_ddp, measure_bus_bandwidth
 from .ddp_tuning import DDPTuning
 from .distributed import DistContext, distributed
+from .grad_buckets import GradBuckets, compile_children
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                         "chapter 2's ladder) or one pass over each tensor (fused, as train.py)")
     parser.add_argument("--capture", action="store_true",
                         help="record each whole step as one CUDA graph (GPU only)")
+    parser.add_argument("--grad-sync", choices=["ddp", "buckets"], default="ddp",
+                        help="who averages the gradients: DDP, or GradBuckets")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size")
     parser.add_argument("--bucket-view", action="store_true",
                         help="gradients as views into DDP's buckets (no copy)")
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
+    if args.grad_sync == "buckets" and (args.bucket_view or args.bf16_grads):
+        parser.error("--bucket-view and --bf16-grads are DDP settings; GradBuckets' gradients "
+                     "are always views of its float32 buckets")
     if args.tune_kernels and args.compile == "none":
         parser.error("--tune-kernels tunes the kernels torch.compile generates: add --compile "
                      "default")
@@ -92,10 +101,15 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     torch.manual_seed(0)
     net = wide_resnet(args.model).to(dev, memory_format=torch.channels_last)
     settings = DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
+    buckets = None
     with graph.stream():  # DDP is built on the stream that will capture it
-        # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
-        # after backward (compile_for_ddp says why).
-        model = settings.wrap(compile_for_ddp(net, args.compile, ctx), ctx)
+        if args.grad_sync == "buckets":
+            model = compile_children(net, args.compile)
+            buckets = GradBuckets(net, ctx, args.bucket_mb)
+        else:
+            # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
+            # after backward (compile_for_ddp says why).
+            model = settings.wrap(compile_for_ddp(net, args.compile, ctx), ctx)
     fused = args.optimizer == "fused"
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True,
                           fused=fused or None, foreach=not fused or None)
@@ -103,13 +117,19 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     y = torch.randint(0, 10, (args.batch,), device=dev)
     bf16 = dev.type == "cuda"
 
+    def no_communication():
+        if not ctx.is_distributed:
+            return contextlib.nullcontext()
+        return buckets.pause() if buckets else model.no_sync()
+
     def body(sync: bool) -> None:  # one step (StepGraph clears the gradients before it)
-        local = not sync and ctx.is_distributed
-        with model.no_sync() if local else contextlib.nullcontext():
+        with contextlib.nullcontext() if sync else no_communication():
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16,
                                 cache_enabled=False):
                 loss = F.cross_entropy(model(x), y)
             loss.backward()
+            if buckets:
+                buckets.wait()
         opt.step()
 
     step = graph.capture(lambda: body(sync=True), net, opt)
@@ -124,7 +144,8 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     record = {
         "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
         "optimizer": args.optimizer, "tune_kernels": args.tune_kernels,
-        "capture": args.capture, "per_gpu_batch": args.batch, "ddp_ms": with_ddp.median_ms,
+        "capture": args.capture, "grad_sync": args.grad_sync, "per_gpu_batch": args.batch,
+        "ddp_ms": with_ddp.median_ms,
         "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
         "host_ms": host.median_ms, "ddp_tuning": asdict(settings),
         "grad_bytes": grad_bytes, "bus_gbps": busbw,
