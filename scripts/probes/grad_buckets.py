@@ -31,6 +31,7 @@ VARIANTS = {
     "buckets": ["--grad-sync", "buckets"],
     "buckets-50MB": ["--grad-sync", "buckets", "--bucket-mb", "50"],
     "buckets-10MB": ["--grad-sync", "buckets", "--bucket-mb", "10"],
+    "buckets-bf16": ["--grad-sync", "buckets", "--bf16-grads"],  # half the bytes on the wire
 }
 
 

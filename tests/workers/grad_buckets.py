@@ -4,8 +4,10 @@
 
 Each rank trains on its own batches. Three SGD steps with GradBuckets (many small buckets, a
 channels_last network) give the weights DDP gives, on every rank; on GPUs the GradBuckets
-steps are replayed from one CUDA graph, all-reduces included. Then: paused, the gradients stay
-each rank's own; a parameter left out of the loss is a clear error. Prints "grad_buckets ok".
+steps are replayed from one CUDA graph, all-reduces included. With the buckets all-reduced in
+bfloat16 the weights stay close to DDP's and equal on every rank. Then: paused, the gradients
+stay each rank's own; a parameter left out of the loss is a clear error. Prints
+"grad_buckets ok".
 """
 
 import sys
@@ -27,13 +29,13 @@ def small_net() -> nn.Sequential:
                          nn.Flatten(), nn.Linear(16, 10))
 
 
-def trained(ctx, batches, use_buckets: bool, capture: bool) -> torch.Tensor:
+def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None) -> torch.Tensor:
     torch.manual_seed(ctx.rank)  # different initial weights: both must broadcast rank 0's
     net = small_net().to(ctx.device, memory_format=torch.channels_last)
     x, y = (t.clone() for t in batches[0])
     with StepGraph(ctx.device, enabled=capture) as graph:
         with graph.stream():
-            sync = GradBuckets(net, ctx, bucket_mb=0.002) if use_buckets else None
+            sync = GradBuckets(net, ctx, 0.002, wire_dtype) if use_buckets else None
             model = net if use_buckets else ddp(net, ctx)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 
@@ -88,9 +90,13 @@ with distributed(device) as ctx:
     reference = trained(ctx, batches, use_buckets=False, capture=False)
     mine = trained(ctx, batches, use_buckets=True, capture=capture)
     torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-6)
-    everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-    dist.all_gather(everyone, mine)
-    torch.testing.assert_close(everyone[1], everyone[0], rtol=0, atol=0)
+    narrow = trained(ctx, batches, use_buckets=True, capture=capture, wire_dtype=torch.bfloat16)
+    assert not torch.equal(narrow, mine), "bf16 on the wire changed nothing"
+    torch.testing.assert_close(narrow, reference, rtol=0, atol=1e-3)
+    for weights in (mine, narrow):
+        everyone = [torch.empty_like(weights) for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, weights)
+        torch.testing.assert_close(everyone[1], everyone[0], rtol=0, atol=0)
     check_pause_and_unused(ctx, batches)
     if ctx.is_main:
         print("grad_buckets ok", flush=True)

@@ -16,6 +16,10 @@ the same job with fewer kernels:
 - :meth:`GradBuckets.wait` makes the current stream wait for the all-reduces; then the
   optimizer runs as usual.
 
+With ``wire_dtype=torch.bfloat16`` the buckets travel in bfloat16, half the bytes: the gather
+rounds each gradient on the way in, and :meth:`~GradBuckets.wait` widens every averaged bucket
+back into float32 gradients with one copy per bucket.
+
 What it leaves out, and DDP does not: parameters that get no gradient in a step (DDP's
 ``find_unused_parameters``; here :meth:`~GradBuckets.wait` raises), parameters used twice in
 one step, gradient accumulation, and broadcasting BatchNorm statistics every step (call
@@ -44,6 +48,8 @@ class _Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor  # the bucket's gradients, one after the other
     views: list[torch.Tensor]  # each parameter's slice of ``flat``, shaped and strided like it
+    wire: torch.Tensor  # what is all-reduced: ``flat`` itself, or a narrower copy of it
+    wire_views: list[torch.Tensor]
     ready: set[int] = field(default_factory=set)  # ids of the parameters whose gradient is in
     work: dist.Work | None = None
 
@@ -61,7 +67,8 @@ class GradBuckets:
     With one process it does nothing. Use it as a context manager to remove its hooks.
     """
 
-    def __init__(self, module: nn.Module, ctx: DistContext, bucket_mb: float = 25.0) -> None:
+    def __init__(self, module: nn.Module, ctx: DistContext, bucket_mb: float = 25.0,
+                 wire_dtype: torch.dtype | None = None) -> None:
         if bucket_mb <= 0:
             raise ValueError(f"the bucket size must be > 0 MB, got {bucket_mb}")
         self.ctx = ctx
@@ -76,7 +83,7 @@ class GradBuckets:
         params = [p for p in module.parameters() if p.requires_grad]
         # Backward reaches the last layers first: fill buckets from the end.
         for group in _groups(list(reversed(params)), int(bucket_mb * 2**20)):
-            bucket = _make_bucket(group)
+            bucket = _make_bucket(group, wire_dtype)
             self.buckets.append(bucket)
             for p in group:
                 self._bucket_of[id(p)] = bucket
@@ -98,12 +105,12 @@ class GradBuckets:
     @torch.no_grad()
     def _all_reduce(self, bucket: _Bucket) -> None:
         # One multi-tensor copy kernel (a few for many tensors), not one per gradient.
-        torch._foreach_copy_(bucket.views, [p.grad for p in bucket.params])
+        torch._foreach_copy_(bucket.wire_views, [p.grad for p in bucket.params])
         if self._avg:
-            bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.AVG, async_op=True)
+            bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.AVG, async_op=True)
         else:
-            bucket.flat.div_(self.ctx.world_size)
-            bucket.work = dist.all_reduce(bucket.flat, async_op=True)
+            bucket.wire.div_(self.ctx.world_size)
+            bucket.work = dist.all_reduce(bucket.wire, async_op=True)
         for p, view in zip(bucket.params, bucket.views, strict=True):
             p.grad = view  # filled with the average once the all-reduce is done
 
@@ -115,6 +122,9 @@ class GradBuckets:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()  # on a GPU: a stream dependency, the host does not block
+                if bucket.wire is not bucket.flat:
+                    with torch.no_grad():
+                        bucket.flat.copy_(bucket.wire)  # widened, in the same layout
             bucket.work = None
             bucket.ready.clear()
         if missing:
@@ -175,16 +185,21 @@ def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Paramete
     return groups
 
 
-def _make_bucket(params: list[nn.Parameter]) -> _Bucket:
+def _make_bucket(params: list[nn.Parameter], wire_dtype: torch.dtype | None) -> _Bucket:
     flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                        device=params[0].device)
+    wire = flat if wire_dtype in (None, flat.dtype) else flat.to(wire_dtype)
+    return _Bucket(params, flat, _views(flat, params), wire, _views(wire, params))
+
+
+def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
+    # Same strides as each parameter (channels_last kernels too), so a gradient copies in as
+    # one block and the optimizer reads it in the parameter's own layout.
     views, offset = [], 0
     for p in params:
-        # Same strides as the parameter (channels_last kernels too), so the gradient copies in
-        # as one block and the optimizer reads it in the parameter's own layout.
         views.append(flat.as_strided(p.shape, p.stride(), offset))
         offset += p.numel()
-    return _Bucket(params, flat, views)
+    return views
 
 
 def compile_children(net: nn.Module, mode: str = "default") -> nn.Module:

@@ -17,7 +17,8 @@ default`` for fused kernels without torch.compile's own graphs.
 the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`). ``--grad-sync buckets``
 replaces DDP by the hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets`
 (bucketed all-reduces during backward with fewer kernels; a compiled network is then compiled
-child by child so that its gradients come out during backward).
+child by child so that its gradients come out during backward); ``--bf16-grads`` applies to it
+too.
 
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
@@ -68,13 +69,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-view", action="store_true",
                         help="gradients as views into DDP's buckets (no copy)")
     parser.add_argument("--bf16-grads", action="store_true",
-                        help="all-reduce the gradients in bfloat16")
+                        help="all-reduce the gradients in bfloat16 (DDP or GradBuckets)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
-    if args.grad_sync == "buckets" and (args.bucket_view or args.bf16_grads):
-        parser.error("--bucket-view and --bf16-grads are DDP settings; GradBuckets' gradients "
-                     "are always views of its float32 buckets")
+    if args.grad_sync == "buckets" and args.bucket_view:
+        parser.error("--bucket-view is a DDP setting; GradBuckets' gradients are always views "
+                     "of its buckets")
     if args.tune_kernels and args.compile == "none":
         parser.error("--tune-kernels tunes the kernels torch.compile generates: add --compile "
                      "default")
@@ -105,7 +106,8 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     with graph.stream():  # DDP is built on the stream that will capture it
         if args.grad_sync == "buckets":
             model = compile_children(net, args.compile)
-            buckets = GradBuckets(net, ctx, args.bucket_mb)
+            buckets = GradBuckets(net, ctx, args.bucket_mb,
+                                  torch.bfloat16 if args.bf16_grads else None)
         else:
             # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
             # after backward (compile_for_ddp says why).
