@@ -11,6 +11,7 @@ from tutorial_utils.parallel.data_parallel import (
     ring_all_reduce_seconds,
 )
 from tutorial_utils.parallel.distributed import DistContext
+from tutorial_utils.parallel.grad_buckets import GradBuckets, compile_children
 
 
 def test_ring_model():
@@ -56,3 +57,26 @@ def test_cuda_graphs_under_ddp_compile_the_network_as_one_graph():
         compiled = compile_for_ddp(net, "reduce-overhead", two)
         assert not torch._dynamo.config.optimize_ddp
     assert compiled is not net and compiled._orig_mod is net
+
+
+def test_grad_buckets_leave_one_process_alone_and_refuse_mixed_dtypes():
+    one = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    with GradBuckets(net, one) as sync:
+        assert sync.buckets == []
+        net(torch.randn(5, 4)).sum().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        sync.wait()  # nothing to wait for
+    for p, g in zip(net.parameters(), grads, strict=True):
+        assert torch.equal(p.grad, g)
+    net[2].to(torch.float64)
+    with pytest.raises(ValueError, match="one dtype on one device"):
+        GradBuckets(net, one)
+
+
+def test_compile_children_compiles_only_the_children_with_parameters():
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    assert compile_children(net, "none") is net
+    assert all(m._compiled_call_impl is None for m in net)
+    compile_children(net, "default")  # lazy: nothing compiles before the first call
+    assert [m._compiled_call_impl is not None for m in net] == [True, False, True]

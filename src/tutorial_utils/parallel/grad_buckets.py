@@ -77,10 +77,14 @@ class GradBuckets:
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._hooks = []
+        params = [p for p in module.parameters() if p.requires_grad]
+        kinds = {(p.dtype, p.device) for p in params}
+        if len(kinds) > 1:
+            raise ValueError(f"GradBuckets needs every trained parameter in one dtype on one "
+                             f"device, got {sorted(map(str, kinds))}; use DDP")
         if not ctx.is_distributed:
             return
         broadcast_parameters(module)  # every process starts from rank 0's weights
-        params = [p for p in module.parameters() if p.requires_grad]
         # Backward reaches the last layers first: fill buckets from the end.
         for group in _groups(list(reversed(params)), int(bucket_mb * 2**20)):
             bucket = _make_bucket(group, wire_dtype)
