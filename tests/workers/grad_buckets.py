@@ -5,9 +5,9 @@
 Each rank trains on its own batches. Three SGD steps with GradBuckets (many small buckets, a
 channels_last network) give the weights DDP gives, on every rank; on GPUs the GradBuckets
 steps are replayed from one CUDA graph, all-reduces included. With the buckets all-reduced in
-bfloat16 the weights stay close to DDP's and equal on every rank. Then: paused, the gradients
-stay each rank's own; a parameter left out of the loss is a clear error. Prints
-"grad_buckets ok".
+bfloat16 the weights stay close to DDP's and equal on every rank. Then: averaged BatchNorm
+statistics are the mean of the ranks' own; paused, the gradients stay each rank's own; a
+parameter left out of the loss is a clear error. Prints "grad_buckets ok".
 """
 
 import sys
@@ -56,6 +56,24 @@ def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None) -> 
     return torch.cat([p.detach().flatten() for p in net.parameters()])
 
 
+def gathered(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    everyone = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(everyone, t.contiguous())
+    return everyone
+
+
+def check_average_buffers(ctx, batches) -> None:
+    net = small_net().to(ctx.device)
+    with GradBuckets(net, ctx) as sync:
+        net(batches[0][0])  # each rank's own batch moves its BatchNorm statistics
+        before = gathered(net[1].running_mean.clone(), ctx.world_size)
+        assert not torch.equal(before[0], before[1])
+        sync.average_buffers()
+        after = gathered(net[1].running_mean, ctx.world_size)
+        torch.testing.assert_close(after[0], after[1], rtol=0, atol=0)
+        torch.testing.assert_close(after[0], sum(before) / ctx.world_size)
+
+
 def check_pause_and_unused(ctx, batches) -> None:
     net = small_net().to(ctx.device)
     extra = nn.Linear(2, 2).to(ctx.device)  # never used by the loss
@@ -64,9 +82,7 @@ def check_pause_and_unused(ctx, batches) -> None:
         with sync.pause():
             F.cross_entropy(net(x), y).backward()
             sync.wait()
-        mine = net[-1].bias.grad.clone()
-        everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-        dist.all_gather(everyone, mine)
+        everyone = gathered(net[-1].bias.grad, ctx.world_size)
         assert not torch.equal(everyone[0], everyone[1]), "paused, yet the gradients agree"
     holder = nn.ModuleDict({"net": net, "extra": extra})
     with GradBuckets(holder, ctx, bucket_mb=1000) as sync:  # one bucket: it never fills
@@ -94,9 +110,9 @@ with distributed(device) as ctx:
     assert not torch.equal(narrow, mine), "bf16 on the wire changed nothing"
     torch.testing.assert_close(narrow, reference, rtol=0, atol=1e-3)
     for weights in (mine, narrow):
-        everyone = [torch.empty_like(weights) for _ in range(ctx.world_size)]
-        dist.all_gather(everyone, weights)
+        everyone = gathered(weights, ctx.world_size)
         torch.testing.assert_close(everyone[1], everyone[0], rtol=0, atol=0)
+    check_average_buffers(ctx, batches)
     check_pause_and_unused(ctx, batches)
     if ctx.is_main:
         print("grad_buckets ok", flush=True)
