@@ -47,7 +47,7 @@ def single(gpu: int, batch: int, flags: list[str]) -> dict:
         return json.loads(out.read_text().splitlines()[0])
 
 
-def pair(batch: int, flags: list[str]) -> dict:
+def two_gpus(batch: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"
         result = torchrun("tutorial_utils.parallel.step_timing",
@@ -62,14 +62,13 @@ chosen = sys.argv[3:] or ["ddp@128", "buckets@128", "ddp@64", "buckets@64"]
 t0 = time.perf_counter()
 singles: dict[tuple[str, int], dict] = {}
 jobs = [(name, b) for name in SINGLE for b in (64, 128)]
-for i in range(0, len(jobs), 2):  # two at a time, one per GPU
+for two_jobs in (jobs[:2], jobs[2:]):  # side by side, one per GPU
     with ThreadPoolExecutor(2) as pool:
-        done = pool.map(lambda gpu_job: single(gpu_job[0], gpu_job[1][1],
-                                               SINGLE[gpu_job[1][0]]),
-                        enumerate(jobs[i:i + 2]))
-        for job, rec in zip(jobs[i:i + 2], done, strict=True):
-            singles[job] = rec
-            print(f"one GPU, {job[0]} @ {job[1]}: {rec['ddp_ms']:.2f} ms", flush=True)
+        running = {job: pool.submit(single, gpu, job[1], SINGLE[job[0]])
+                   for gpu, job in enumerate(two_jobs)}
+    for job, future in running.items():
+        singles[job] = future.result()
+        print(f"one GPU, {job[0]} @ {job[1]}: {singles[job]['ddp_ms']:.2f} ms", flush=True)
 rows = []
 for run in chosen:
     name, batch = run.split("@")
@@ -77,7 +76,7 @@ for run in chosen:
         print(f"{run}: not started, budget spent", flush=True)
         continue
     try:
-        rec = pair(int(batch), VARIANTS[name])
+        rec = two_gpus(int(batch), VARIANTS[name])
     except Exception as err:  # one failed variant must not lose the others
         print(f"{run}: failed: {str(err)[-300:]}", flush=True)
         continue

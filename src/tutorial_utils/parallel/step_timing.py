@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="record each whole step as one CUDA graph (GPU only)")
     parser.add_argument("--grad-sync", choices=["ddp", "buckets"], default="ddp",
                         help="who averages the gradients: DDP, or GradBuckets")
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket size")
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="gradient bucket size in MB (DDP or GradBuckets)")
     parser.add_argument("--bucket-view", action="store_true",
                         help="gradients as views into DDP's buckets (no copy)")
     parser.add_argument("--bf16-grads", action="store_true",
