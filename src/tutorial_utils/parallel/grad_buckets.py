@@ -117,11 +117,7 @@ class GradBuckets:
     def _all_reduce(self, bucket: _Bucket) -> None:
         # One multi-tensor copy kernel (a few for many tensors), not one per gradient.
         torch._foreach_copy_(bucket.wire_views, [p.grad for p in bucket.params])
-        if self._avg:
-            bucket.work = dist.all_reduce(bucket.wire, op=dist.ReduceOp.AVG, async_op=True)
-        else:
-            bucket.wire.div_(self.ctx.world_size)
-            bucket.work = dist.all_reduce(bucket.wire, async_op=True)
+        bucket.work = self._average(bucket.wire, async_op=True)
         for p, view in zip(bucket.params, bucket.views, strict=True):
             p.grad = view  # filled with the average once the all-reduce is done
 
@@ -160,8 +156,14 @@ class GradBuckets:
             return
         for t in self.module.buffers():
             if t.is_floating_point():
-                t.div_(self.ctx.world_size)
-                dist.all_reduce(t)
+                self._average(t)
+
+    def _average(self, t: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+        """All-reduce ``t`` in place into the mean over the processes."""
+        if self._avg:
+            return dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op)
+        t.div_(self.ctx.world_size)
+        return dist.all_reduce(t, async_op=async_op)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -178,10 +180,10 @@ class GradBuckets:
 def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
     """Consecutive parameters in groups of at most ``cap_bytes`` (a larger tensor: alone)."""
     groups: list[list[nn.Parameter]] = []
-    size = cap_bytes
+    size = 0
     for p in params:
         nbytes = p.numel() * p.element_size()
-        if size + nbytes > cap_bytes:
+        if not groups or size + nbytes > cap_bytes:
             groups.append([])
             size = 0
         groups[-1].append(p)
