@@ -59,7 +59,7 @@ def test_cuda_graphs_under_ddp_compile_the_network_as_one_graph():
     assert compiled is not net and compiled._orig_mod is net
 
 
-def test_grad_buckets_leave_one_process_alone_and_refuse_mixed_dtypes():
+def test_grad_buckets_leave_one_process_alone_and_refuse_bad_settings():
     one = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
     with GradBuckets(net, one) as sync:
@@ -69,6 +69,10 @@ def test_grad_buckets_leave_one_process_alone_and_refuse_mixed_dtypes():
         sync.wait()  # nothing to wait for
     for p, g in zip(net.parameters(), grads, strict=True):
         assert torch.equal(p.grad, g)
+    with pytest.raises(ValueError, match="copies between GPUs; on cpu use transport="):
+        GradBuckets(net, one, transport="copy-engine")
+    with pytest.raises(ValueError, match="transport must be"):
+        GradBuckets(net, one, transport="nvlink")
     net[2].to(torch.float64)
     with pytest.raises(ValueError, match="one dtype on one device"):
         GradBuckets(net, one)

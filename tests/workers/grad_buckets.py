@@ -5,7 +5,9 @@
 Each rank trains on its own batches. Three SGD steps with GradBuckets (many small buckets, a
 channels_last network) give the weights DDP gives, on every rank; on GPUs the GradBuckets
 steps are replayed from one CUDA graph, all-reduces included. With the buckets all-reduced in
-bfloat16 the weights stay close to DDP's and equal on every rank. Then: averaged BatchNorm
+bfloat16 the weights stay close to DDP's and equal on every rank. On GPUs the same holds for
+the copy-engine transport (peers' buckets pulled from symmetric memory), in float32 and in
+bfloat16. Then: averaged BatchNorm
 statistics are the mean of the ranks' own; paused, the gradients stay each rank's own; a
 parameter left out of the loss is a clear error. Prints "grad_buckets ok".
 """
@@ -29,13 +31,14 @@ def small_net() -> nn.Sequential:
                          nn.Flatten(), nn.Linear(16, 10))
 
 
-def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None) -> torch.Tensor:
+def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None,
+            transport="all-reduce") -> torch.Tensor:
     torch.manual_seed(ctx.rank)  # different initial weights: both must broadcast rank 0's
     net = small_net().to(ctx.device, memory_format=torch.channels_last)
     x, y = (t.clone() for t in batches[0])
     with StepGraph(ctx.device, enabled=capture) as graph:
         with graph.stream():
-            sync = GradBuckets(net, ctx, 0.002, wire_dtype) if use_buckets else None
+            sync = GradBuckets(net, ctx, 0.002, wire_dtype, transport) if use_buckets else None
             model = net if use_buckets else ddp(net, ctx)
         opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
 
@@ -109,7 +112,15 @@ with distributed(device) as ctx:
     narrow = trained(ctx, batches, use_buckets=True, capture=capture, wire_dtype=torch.bfloat16)
     assert not torch.equal(narrow, mine), "bf16 on the wire changed nothing"
     torch.testing.assert_close(narrow, reference, rtol=0, atol=1e-3)
-    for weights in (mine, narrow):
+    results = [mine, narrow]
+    if ctx.device.type == "cuda":
+        pulled = trained(ctx, batches, True, capture, transport="copy-engine")
+        torch.testing.assert_close(pulled, reference, rtol=1e-5, atol=1e-6)
+        pulled_bf16 = trained(ctx, batches, True, capture, torch.bfloat16, "copy-engine")
+        assert not torch.equal(pulled_bf16, pulled), "bf16 rows changed nothing"
+        torch.testing.assert_close(pulled_bf16, reference, rtol=0, atol=1e-3)
+        results += [pulled, pulled_bf16]
+    for weights in results:
         everyone = gathered(weights, ctx.world_size)
         torch.testing.assert_close(everyone[1], everyone[0], rtol=0, atol=0)
     check_average_buffers(ctx, batches)

@@ -22,8 +22,15 @@ about as much (chapter 5b, with the traces in ``book/logs/``). It is here to sho
 mechanism and to test that account.
 
 With ``wire_dtype=torch.bfloat16`` the buckets travel in bfloat16, half the bytes: the gather
-rounds each gradient on the way in, and :meth:`~GradBuckets.wait` widens every averaged bucket
-back into float32 gradients with one copy per bucket.
+rounds each gradient on the way in, and the average is widened back into float32 gradients.
+
+``transport="copy-engine"`` (GPUs that can map each other's memory: NVLink or PCIe peer
+access) averages without NCCL's kernels, which hold multiprocessors that backward wants. All
+buckets live in one buffer of PyTorch's symmetric memory, one row per process, mapped into
+every process. Each process writes its own row; when a bucket is written everywhere (a
+barrier), each one pulls the other rows' slices with ``cudaMemcpyAsync``, which the GPU's copy
+engines (DMA) carry out, and one small kernel averages the rows into the gradients. Every
+process averages the same rows in the same order, so they all get the same bits.
 
 What it leaves out, and DDP does not: parameters that get no gradient in a step (DDP's
 ``find_unused_parameters``; here :meth:`~GradBuckets.wait` raises), parameters used twice in
@@ -41,6 +48,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -52,13 +60,14 @@ from .distributed import DistContext
 
 @dataclass
 class _Bucket:
+    index: int  # in the order backward fills them
     params: list[nn.Parameter]
     flat: torch.Tensor  # the bucket's gradients, one after the other
     views: list[torch.Tensor]  # each parameter's slice of ``flat``, shaped and strided like it
-    wire: torch.Tensor  # what is all-reduced: ``flat`` itself, or a narrower copy of it
+    wire: torch.Tensor  # what travels: ``flat`` itself, or a narrower copy, or a shared row
     wire_views: list[torch.Tensor]
     ready: set[int] = field(default_factory=set)  # ids of the parameters whose gradient is in
-    work: dist.Work | None = None
+    started: bool = False  # its average is under way
 
 
 class GradBuckets:
@@ -67,17 +76,25 @@ class GradBuckets:
     ::
 
         sync = GradBuckets(net, ctx)  # broadcasts rank 0's weights and buffers
-        loss.backward()               # all-reduces start as buckets fill
+        loss.backward()               # averages start as buckets fill
         sync.wait()                   # .grad holds the average over all processes
         optimizer.step()
 
-    With one process it does nothing. Use it as a context manager to remove its hooks.
+    ``transport`` is ``"all-reduce"`` (the process group's collective: NCCL, or Gloo on CPUs)
+    or ``"copy-engine"`` (GPUs only; see the module's notes). With one process it does
+    nothing. Use it as a context manager to remove its hooks.
     """
 
     def __init__(self, module: nn.Module, ctx: DistContext, bucket_mb: float = 25.0,
-                 wire_dtype: torch.dtype | None = None) -> None:
+                 wire_dtype: torch.dtype | None = None,
+                 transport: Literal["all-reduce", "copy-engine"] = "all-reduce") -> None:
         if bucket_mb <= 0:
             raise ValueError(f"the bucket size must be > 0 MB, got {bucket_mb}")
+        if transport not in ("all-reduce", "copy-engine"):
+            raise ValueError(f"transport must be 'all-reduce' or 'copy-engine', got {transport!r}")
+        if transport == "copy-engine" and ctx.device.type != "cuda":
+            raise ValueError(f"the copy-engine transport copies between GPUs; on "
+                             f"{ctx.device.type} use transport='all-reduce'")
         self.ctx = ctx
         self.module = module
         self.enabled = True
@@ -93,14 +110,18 @@ class GradBuckets:
             return
         broadcast_parameters(module)  # every process starts from rank 0's weights
         # Backward reaches the last layers first: fill buckets from the end.
-        for group in _groups(list(reversed(params)), int(bucket_mb * 2**20)):
-            bucket = _make_bucket(group, wire_dtype)
+        groups = _groups(list(reversed(params)), int(bucket_mb * 2**20))
+        flats = [torch.zeros(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device)
+                 for g in groups]
+        kind = _PeerCopies if transport == "copy-engine" else _AllReduce
+        self._transport = kind(ctx, flats, wire_dtype)
+        for i, (group, flat) in enumerate(zip(groups, flats, strict=True)):
+            wire = self._transport.wires[i]
+            bucket = _Bucket(i, group, flat, _views(flat, group), wire, _views(wire, group))
             self.buckets.append(bucket)
             for p in group:
                 self._bucket_of[id(p)] = bucket
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        # NCCL divides inside the all-reduce; Gloo has no AVG: divide first, then sum.
-        self._avg = dist.get_backend() == dist.Backend.NCCL
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self.enabled:
@@ -111,28 +132,27 @@ class GradBuckets:
                                "GradBuckets needs every parameter used once per step; use DDP")
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):
-            self._all_reduce(bucket)
+            self._start(bucket)
 
     @torch.no_grad()
-    def _all_reduce(self, bucket: _Bucket) -> None:
+    def _start(self, bucket: _Bucket) -> None:
         # One multi-tensor copy kernel (a few for many tensors), not one per gradient.
         torch._foreach_copy_(bucket.wire_views, [p.grad for p in bucket.params])
-        bucket.work = self._average(bucket.wire, async_op=True)
+        self._transport.start(bucket.index)
+        bucket.started = True
         for p, view in zip(bucket.params, bucket.views, strict=True):
-            p.grad = view  # filled with the average once the all-reduce is done
+            p.grad = view  # filled with the average once the transport is done
 
     def wait(self) -> None:
-        """Order the current stream after every bucket's all-reduce (call after backward)."""
+        """Order the current stream after every bucket's average (call after backward)."""
         if not self.enabled:
             return
-        missing = sum(len(b.params) - len(b.ready) for b in self.buckets if b.work is None)
+        missing = sum(len(b.params) - len(b.ready) for b in self.buckets if not b.started)
+        if self.buckets:
+            with torch.no_grad():
+                self._transport.finish([b.flat for b in self.buckets])
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()  # on a GPU: a stream dependency, the host does not block
-                if bucket.wire is not bucket.flat:
-                    with torch.no_grad():
-                        bucket.flat.copy_(bucket.wire)  # widened, in the same layout
-            bucket.work = None
+            bucket.started = False
             bucket.ready.clear()
         if missing:
             raise RuntimeError(
@@ -156,14 +176,7 @@ class GradBuckets:
             return
         for t in self.module.buffers():
             if t.is_floating_point():
-                self._average(t)
-
-    def _average(self, t: torch.Tensor, async_op: bool = False) -> dist.Work | None:
-        """All-reduce ``t`` in place into the mean over the processes."""
-        if self._avg:
-            return dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op)
-        t.div_(self.ctx.world_size)
-        return dist.all_reduce(t, async_op=async_op)
+                _average(t)
 
     def close(self) -> None:
         for h in self._hooks:
@@ -175,6 +188,84 @@ class GradBuckets:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _average(t: torch.Tensor, async_op: bool = False) -> dist.Work | None:
+    """All-reduce ``t`` in place into the mean over the processes."""
+    if dist.get_backend() == dist.Backend.NCCL:
+        return dist.all_reduce(t, op=dist.ReduceOp.AVG, async_op=async_op)
+    t.div_(dist.get_world_size())  # Gloo has no AVG: divide first, then sum
+    return dist.all_reduce(t, async_op=async_op)
+
+
+class _AllReduce:
+    """Each bucket averaged by one all-reduce, on the collective's own stream."""
+
+    def __init__(self, ctx: DistContext, flats: list[torch.Tensor],
+                 wire_dtype: torch.dtype | None) -> None:
+        self.wires = [f if wire_dtype in (None, f.dtype) else f.to(wire_dtype) for f in flats]
+        self._work: dict[int, dist.Work] = {}
+
+    def start(self, i: int) -> None:
+        self._work[i] = _average(self.wires[i], async_op=True)
+
+    def finish(self, flats: list[torch.Tensor]) -> None:
+        for i, work in self._work.items():
+            work.wait()  # on a GPU: a stream dependency, the host does not block
+            if self.wires[i] is not flats[i]:
+                flats[i].copy_(self.wires[i])  # widened, in the same layout
+        self._work.clear()
+
+
+class _PeerCopies:
+    """Each bucket averaged from the other GPUs' copies of it, pulled by the copy engines.
+
+    ``rows`` (processes x all gradients) is symmetric memory: every process can read every
+    other's. Process r writes its gradients into its row r; the other rows of its copy are
+    where it pulls the other processes' rows to. Each bucket is a slice of columns.
+    """
+
+    TIMEOUT_MS = 600_000  # a barrier waits this long for a missing process, then fails
+
+    def __init__(self, ctx: DistContext, flats: list[torch.Tensor],
+                 wire_dtype: torch.dtype | None) -> None:
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.rank, self.world = ctx.rank, ctx.world_size
+        self.total = sum(f.numel() for f in flats)
+        dtype = wire_dtype or flats[0].dtype
+        self.rows = symm_mem.empty(self.world, self.total, dtype=dtype, device=ctx.device)
+        self.handle = symm_mem.rendezvous(self.rows, dist.group.WORLD.group_name)
+        channels = self.handle.signal_pad_size // (4 * self.world)
+        if len(flats) + 1 > channels:
+            raise ValueError(f"{len(flats)} buckets need more barrier channels than the "
+                             f"{channels} symmetric memory has: use larger buckets")
+        self.columns: list[slice] = []
+        for f in flats:
+            start = self.columns[-1].stop if self.columns else 0
+            self.columns.append(slice(start, start + f.numel()))
+        self.wires = [self.rows[self.rank, c] for c in self.columns]
+        self.flats = flats
+        self.stream = torch.cuda.Stream(ctx.device)
+
+    def start(self, i: int) -> None:
+        cols = self.columns[i]
+        n = cols.stop - cols.start
+        self.stream.wait_stream(torch.cuda.current_stream())  # this process's row is written
+        with torch.cuda.stream(self.stream):
+            self.handle.barrier(channel=i, timeout_ms=self.TIMEOUT_MS)  # ... and everyone's
+            for peer in range(self.world):
+                if peer != self.rank:  # contiguous, same dtype: one DMA copy over the link
+                    theirs = self.handle.get_buffer(peer, (n,), self.rows.dtype,
+                                                    peer * self.total + cols.start)
+                    self.rows[peer, cols].copy_(theirs)
+            torch.mean(self.rows[:, cols], 0, dtype=self.flats[i].dtype, out=self.flats[i])
+
+    def finish(self, flats: list[torch.Tensor]) -> None:
+        with torch.cuda.stream(self.stream):
+            # No process may overwrite its row (next step) while another still reads it.
+            self.handle.barrier(channel=len(self.columns), timeout_ms=self.TIMEOUT_MS)
+        torch.cuda.current_stream().wait_stream(self.stream)
 
 
 def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -189,13 +280,6 @@ def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Paramete
         groups[-1].append(p)
         size += nbytes
     return groups
-
-
-def _make_bucket(params: list[nn.Parameter], wire_dtype: torch.dtype | None) -> _Bucket:
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
-                       device=params[0].device)
-    wire = flat if wire_dtype in (None, flat.dtype) else flat.to(wire_dtype)
-    return _Bucket(params, flat, _views(flat, params), wire, _views(wire, params))
 
 
 def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`). ``--grad
 replaces DDP by the hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets`
 (bucketed all-reduces during backward with fewer kernels; a compiled network is then compiled
 child by child so that its gradients come out during backward); ``--bf16-grads`` applies to it
-too.
+too. ``--grad-sync copy-engine`` is GradBuckets with its copy-engine transport (GPUs only).
 
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
                         "chapter 2's ladder) or one pass over each tensor (fused, as train.py)")
     parser.add_argument("--capture", action="store_true",
                         help="record each whole step as one CUDA graph (GPU only)")
-    parser.add_argument("--grad-sync", choices=["ddp", "buckets"], default="ddp",
-                        help="who averages the gradients: DDP, or GradBuckets")
+    parser.add_argument("--grad-sync", choices=["ddp", "buckets", "copy-engine"],
+                        default="ddp", help="who averages the gradients: DDP, GradBuckets "
+                        "(all-reduces), or GradBuckets pulling peers' buckets by copy engine")
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="gradient bucket size in MB (DDP or GradBuckets)")
     parser.add_argument("--bucket-view", action="store_true",
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
-    if args.grad_sync == "buckets" and args.bucket_view:
+    if args.grad_sync != "ddp" and args.bucket_view:
         parser.error("--bucket-view is a DDP setting; GradBuckets' gradients are always views "
                      "of its buckets")
     if args.tune_kernels and args.compile == "none":
@@ -105,10 +106,11 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     settings = DDPTuning(args.bucket_mb, args.bucket_view, args.bf16_grads)
     buckets = None
     with graph.stream():  # DDP is built on the stream that will capture it
-        if args.grad_sync == "buckets":
+        if args.grad_sync != "ddp":
             model = compile_children(net, args.compile)
+            transport = "copy-engine" if args.grad_sync == "copy-engine" else "all-reduce"
             buckets = GradBuckets(net, ctx, args.bucket_mb,
-                                  torch.bfloat16 if args.bf16_grads else None)
+                                  torch.bfloat16 if args.bf16_grads else None, transport)
         else:
             # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
             # after backward (compile_for_ddp says why).
