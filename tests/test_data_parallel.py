@@ -11,7 +11,7 @@ from tutorial_utils.parallel.data_parallel import (
     ring_all_reduce_seconds,
 )
 from tutorial_utils.parallel.distributed import DistContext
-from tutorial_utils.parallel.grad_buckets import GradBuckets, compile_children
+from tutorial_utils.parallel.grad_buckets import GradBuckets, _views, compile_children
 
 
 def test_ring_model():
@@ -76,6 +76,15 @@ def test_grad_buckets_leave_one_process_alone_and_refuse_bad_settings():
     net[2].to(torch.float64)
     with pytest.raises(ValueError, match="one dtype on one device"):
         GradBuckets(net, one)
+
+
+def test_bucket_views_of_a_shared_buffer_stay_inside_their_slice():
+    # the copy-engine transport's buckets are slices of one buffer with a row per process
+    rows = torch.zeros(2, 10)
+    params = [nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(3))]
+    torch._foreach_copy_(_views(rows[1, 2:9], params), [torch.ones(2, 2), torch.full((3,), 2.0)])
+    assert rows[0].tolist() == [0.0] * 10
+    assert rows[1].tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 2, 0]
 
 
 def test_compile_children_compiles_only_the_children_with_parameters():

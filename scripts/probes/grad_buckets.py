@@ -39,6 +39,7 @@ VARIANTS = {
     "copy-engine-bf16": ["--grad-sync", "copy-engine", "--bf16-grads"],
     "copy-engine-50MB": ["--grad-sync", "copy-engine", "--bucket-mb", "50"],
     "copy-engine-10MB": ["--grad-sync", "copy-engine", "--bucket-mb", "10"],
+    "copy-engine-bf16-10MB": ["--grad-sync", "copy-engine", "--bf16-grads", "--bucket-mb", "10"],
 }
 
 

@@ -285,7 +285,7 @@ def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Paramete
 def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
     # Same strides as each parameter (channels_last kernels too), so a gradient copies in as
     # one block and the optimizer reads it in the parameter's own layout.
-    views, offset = [], 0
+    views, offset = [], flat.storage_offset()  # as_strided counts from the storage's start
     for p in params:
         views.append(flat.as_strided(p.shape, p.stride(), offset))
         offset += p.numel()
