@@ -29,8 +29,9 @@ access) averages without NCCL's kernels, which hold multiprocessors that backwar
 buckets live in one buffer of PyTorch's symmetric memory, one row per process, mapped into
 every process. Each process writes its own row; when a bucket is written everywhere (a
 barrier), each one pulls the other rows' slices with ``cudaMemcpyAsync``, which the GPU's copy
-engines (DMA) carry out, and one small kernel averages the rows into the gradients. Every
-process averages the same rows in the same order, so they all get the same bits.
+engines (DMA) carry out, and adds the rows (each divided by the number of processes on its
+way in) into the gradients. Every process adds the same rows in the same order, so they all
+get the same bits.
 
 What it leaves out, and DDP does not: parameters that get no gradient in a step (DDP's
 ``find_unused_parameters``; here :meth:`~GradBuckets.wait` raises), parameters used twice in
@@ -251,6 +252,9 @@ class _PeerCopies:
     def start(self, i: int) -> None:
         cols = self.columns[i]
         n = cols.stop - cols.start
+        # Divided here, the average below is a plain sum: one element-wise pass for two GPUs
+        # (a mean over the rows would be a reduction kernel, slower than an addition).
+        self.wires[i].mul_(1 / self.world)
         self.stream.wait_stream(torch.cuda.current_stream())  # this process's row is written
         with torch.cuda.stream(self.stream):
             self.handle.barrier(channel=i, timeout_ms=self.TIMEOUT_MS)  # ... and everyone's
@@ -259,7 +263,10 @@ class _PeerCopies:
                     theirs = self.handle.get_buffer(peer, (n,), self.rows.dtype,
                                                     peer * self.total + cols.start)
                     self.rows[peer, cols].copy_(theirs)
-            torch.mean(self.rows[:, cols], 0, dtype=self.flats[i].dtype, out=self.flats[i])
+            # The same rows added in the same order everywhere: the same bits everywhere.
+            torch.add(self.rows[0, cols], self.rows[1, cols], out=self.flats[i])
+            for row in range(2, self.world):
+                self.flats[i].add_(self.rows[row, cols])
 
     def finish(self, flats: list[torch.Tensor]) -> None:
         with torch.cuda.stream(self.stream):
