@@ -78,6 +78,15 @@ def test_grad_buckets_leave_one_process_alone_and_refuse_bad_settings():
         GradBuckets(net, one)
 
 
+def test_copy_engine_transport_refuses_processes_on_several_machines(monkeypatch):
+    # checked before any communication: no process group needed
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    two_nodes = DistContext(rank=0, local_rank=0, world_size=2, device=torch.device("cuda", 0))
+    net = nn.Linear(4, 2)
+    with pytest.raises(ValueError, match="all 2 processes must run on one machine"):
+        GradBuckets(net, two_nodes, transport="copy-engine")
+
+
 def test_bucket_views_of_a_shared_buffer_stay_inside_their_slice():
     # the copy-engine transport's buckets are slices of one buffer with a row per process
     rows = torch.zeros(2, 10)

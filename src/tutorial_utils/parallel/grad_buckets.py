@@ -47,6 +47,7 @@ network piece by piece with :func:`compile_children`.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -109,6 +110,11 @@ class GradBuckets:
                              f"device, got {sorted(map(str, kinds))}; use DDP")
         if not ctx.is_distributed:
             return
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        if transport == "copy-engine" and local != ctx.world_size:
+            raise ValueError(f"the copy-engine transport maps the other GPUs' memory, so all "
+                             f"{ctx.world_size} processes must run on one machine (found "
+                             f"{local} here); use transport='all-reduce'")
         broadcast_parameters(module)  # every process starts from rank 0's weights
         # Backward reaches the last layers first: fill buckets from the end.
         groups = _groups(list(reversed(params)), int(bucket_mb * 2**20))
