@@ -276,12 +276,12 @@ class _PeerCopies:
             # The same rows added in the same order everywhere: the same bits everywhere.
             # Narrow rows are added among themselves, then widened: an addition whose output
             # has another dtype than its inputs runs as a slower, unvectorised kernel.
-            total = self.flats[i] if self.sums is None else self.sums[cols]
-            torch.add(self.rows[0, cols], self.rows[1, cols], out=total)
+            summed = self.flats[i] if self.sums is None else self.sums[cols]
+            torch.add(self.rows[0, cols], self.rows[1, cols], out=summed)
             for row in range(2, self.world):
-                total.add_(self.rows[row, cols])
+                summed.add_(self.rows[row, cols])
             if self.sums is not None:
-                self.flats[i].copy_(total)
+                self.flats[i].copy_(summed)
 
     def finish(self, flats: list[torch.Tensor]) -> None:
         with torch.cuda.stream(self.stream):
