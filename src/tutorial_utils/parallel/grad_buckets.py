@@ -276,12 +276,12 @@ class _PeerCopies:
             # The same rows added in the same order everywhere: the same bits everywhere.
             # Narrow rows are added among themselves, then widened: an addition whose output
             # has another dtype than its inputs runs as a slower, unvectorised kernel.
-            summed = self.flats[i] if self.sums is None else self.sums[cols]
-            torch.add(self.rows[0, cols], self.rows[1, cols], out=summed)
+            total = self.flats[i] if self.sums is None else self.sums[cols]
+            torch.add(self.rows[0, cols], self.rows[1, cols], out=total)
             for row in range(2, self.world):
-                summed.add_(self.rows[row, cols])
+                total.add_(self.rows[row, cols])
             if self.sums is not None:
-                self.flats[i].copy_(summed)
+                self.flats[i].copy_(total)
 
     def finish(self, flats: list[torch.Tensor]) -> None:
         with torch.cuda.stream(self.stream):
