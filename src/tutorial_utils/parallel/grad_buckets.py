@@ -255,8 +255,6 @@ class _PeerCopies:
             self.columns.append(slice(start, start + f.numel()))
         self.wires = [self.rows[self.rank, c] for c in self.columns]
         self.flats = flats
-        narrow = dtype != flats[0].dtype
-        self.sums = torch.empty(self.total, dtype=dtype, device=ctx.device) if narrow else None
         self.stream = torch.cuda.Stream(ctx.device)
 
     def start(self, i: int) -> None:
@@ -274,14 +272,9 @@ class _PeerCopies:
                                                     peer * self.total + cols.start)
                     self.rows[peer, cols].copy_(theirs)
             # The same rows added in the same order everywhere: the same bits everywhere.
-            # Narrow rows are added among themselves, then widened: an addition whose output
-            # has another dtype than its inputs runs as a slower, unvectorised kernel.
-            total = self.flats[i] if self.sums is None else self.sums[cols]
-            torch.add(self.rows[0, cols], self.rows[1, cols], out=total)
+            torch.add(self.rows[0, cols], self.rows[1, cols], out=self.flats[i])
             for row in range(2, self.world):
-                total.add_(self.rows[row, cols])
-            if self.sums is not None:
-                self.flats[i].copy_(total)
+                self.flats[i].add_(self.rows[row, cols])
 
     def finish(self, flats: list[torch.Tensor]) -> None:
         with torch.cuda.stream(self.stream):
