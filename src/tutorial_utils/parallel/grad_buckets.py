@@ -159,7 +159,7 @@ class GradBuckets:
         missing = sum(len(b.params) - len(b.ready) for b in self.buckets if not b.started)
         if self.buckets:
             with torch.no_grad():
-                self._transport.finish([b.flat for b in self.buckets])
+                self._transport.finish()
         for bucket in self.buckets:
             bucket.started = False
             bucket.ready.clear()
@@ -212,17 +212,18 @@ class _AllReduce:
 
     def __init__(self, ctx: DistContext, flats: list[torch.Tensor],
                  wire_dtype: torch.dtype | None) -> None:
+        self.flats = flats
         self.wires = [f if wire_dtype in (None, f.dtype) else f.to(wire_dtype) for f in flats]
         self._work: dict[int, dist.Work] = {}
 
     def start(self, i: int) -> None:
         self._work[i] = _average(self.wires[i], async_op=True)
 
-    def finish(self, flats: list[torch.Tensor]) -> None:
+    def finish(self) -> None:
         for i, work in self._work.items():
             work.wait()  # on a GPU: a stream dependency, the host does not block
-            if self.wires[i] is not flats[i]:
-                flats[i].copy_(self.wires[i])  # widened, in the same layout
+            if self.wires[i] is not self.flats[i]:
+                self.flats[i].copy_(self.wires[i])  # widened, in the same layout
         self._work.clear()
 
 
@@ -276,7 +277,7 @@ class _PeerCopies:
             for row in range(2, self.world):
                 self.flats[i].add_(self.rows[row, cols])
 
-    def finish(self, flats: list[torch.Tensor]) -> None:
+    def finish(self) -> None:
         with torch.cuda.stream(self.stream):
             # No process may overwrite its row (next step) while another still reads it.
             self.handle.barrier(channel=len(self.columns), timeout_ms=self.TIMEOUT_MS)
