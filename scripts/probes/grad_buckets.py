@@ -1,9 +1,9 @@
 """Probe (not part of the book): DDP against the hand-built GradBuckets, step graph, 2 GPUs.
 
+    python scripts/probes/grad_buckets.py OUT.jsonl [BUDGET_S [VARIANT@BATCH ...]]
+
 GradBuckets runs with either transport: all-reduces (``buckets*``) or copy-engine pulls
 (``copy-engine*``).
-
-    python scripts/probes/grad_buckets.py OUT.jsonl [BUDGET_S [VARIANT@BATCH ...]]
 
 Every run is ``python -m tutorial_utils.parallel.step_timing --capture --compile default
 --optimizer fused`` (chapter 5b's step graph, SGD as in ``train``) plus the variant's flags.
@@ -35,10 +35,8 @@ VARIANTS = {
     "buckets-50MB": ["--grad-sync", "buckets", "--bucket-mb", "50"],
     "buckets-10MB": ["--grad-sync", "buckets", "--bucket-mb", "10"],
     "buckets-bf16": ["--grad-sync", "buckets", "--bf16-grads"],  # half the bytes on the wire
-    "copy-engine": ["--grad-sync", "copy-engine"],  # no NCCL kernels: DMA copies + one mean
+    "copy-engine": ["--grad-sync", "copy-engine"],  # no NCCL kernels: DMA copies + additions
     "copy-engine-bf16": ["--grad-sync", "copy-engine", "--bf16-grads"],
-    "copy-engine-50MB": ["--grad-sync", "copy-engine", "--bucket-mb", "50"],
-    "copy-engine-10MB": ["--grad-sync", "copy-engine", "--bucket-mb", "10"],
     "copy-engine-bf16-10MB": ["--grad-sync", "copy-engine", "--bf16-grads", "--bucket-mb", "10"],
 }
 

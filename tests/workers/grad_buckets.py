@@ -7,9 +7,9 @@ channels_last network) give the weights DDP gives, on every rank; on GPUs the Gr
 steps are replayed from one CUDA graph, all-reduces included. With the buckets all-reduced in
 bfloat16 the weights stay close to DDP's and equal on every rank. On GPUs the same holds for
 the copy-engine transport (peers' buckets pulled from symmetric memory), in float32 and in
-bfloat16. Then: averaged BatchNorm
-statistics are the mean of the ranks' own; paused, the gradients stay each rank's own; a
-parameter left out of the loss is a clear error. Prints "grad_buckets ok".
+bfloat16. Then: averaged BatchNorm statistics are the mean of the ranks' own; paused, the
+gradients stay each rank's own; a parameter left out of the loss is a clear error. Prints
+"grad_buckets ok".
 """
 
 import sys
