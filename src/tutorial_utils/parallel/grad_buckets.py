@@ -68,8 +68,7 @@ class _Bucket:
     params: list[nn.Parameter]
     flat: torch.Tensor  # the bucket's gradients, one after the other
     views: list[torch.Tensor]  # each parameter's slice of ``flat``, shaped and strided like it
-    wire: torch.Tensor  # what travels: ``flat`` itself, or a narrower copy, or a shared row
-    wire_views: list[torch.Tensor]
+    wire_views: list[torch.Tensor]  # the same slices of what travels (the transport's wire)
     ready: set[int] = field(default_factory=set)  # ids of the parameters whose gradient is in
     started: bool = False  # its average is under way
 
@@ -125,8 +124,8 @@ class GradBuckets:
         kind = _PeerCopies if transport == "copy-engine" else _AllReduce
         self._transport = kind(ctx, flats, wire_dtype)
         for i, (group, flat) in enumerate(zip(groups, flats, strict=True)):
-            wire = self._transport.wires[i]
-            bucket = _Bucket(i, group, flat, _views(flat, group), wire, _views(wire, group))
+            wire_views = _views(self._transport.wires[i], group)
+            bucket = _Bucket(i, group, flat, _views(flat, group), wire_views)
             self.buckets.append(bucket)
             for p in group:
                 self._bucket_of[id(p)] = bucket
