@@ -11,7 +11,13 @@ from tutorial_utils.parallel.data_parallel import (
     ring_all_reduce_seconds,
 )
 from tutorial_utils.parallel.distributed import DistContext
-from tutorial_utils.parallel.grad_buckets import GradBuckets, _views, compile_children
+from tutorial_utils.parallel.grad_buckets import (
+    AveragingSGD,
+    GradBuckets,
+    _sgd_from_rows,
+    _views,
+    compile_children,
+)
 
 
 def test_ring_model():
@@ -87,13 +93,39 @@ def test_copy_engine_transport_refuses_processes_on_several_machines(monkeypatch
         GradBuckets(net, two_nodes, transport="copy-engine")
 
 
-def test_bucket_views_of_a_shared_buffer_stay_inside_their_slice():
+def test_bucket_views_of_a_shared_buffer_stay_inside_their_slice_and_aligned():
     # the copy-engine transport's buckets are slices of one buffer with a row per process
-    rows = torch.zeros(2, 10)
+    rows = torch.zeros(2, 48)
     params = [nn.Parameter(torch.ones(2, 2)), nn.Parameter(torch.ones(3))]
-    torch._foreach_copy_(_views(rows[1, 2:9], params), [torch.ones(2, 2), torch.full((3,), 2.0)])
-    assert rows[0].tolist() == [0.0] * 10
-    assert rows[1].tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 2, 0]
+    views = _views(rows[1, 16:48], params)
+    torch._foreach_copy_(views, [torch.ones(2, 2), torch.full((3,), 2.0)])
+    assert rows[0].tolist() == [0.0] * 48
+    assert rows[1].tolist() == [0] * 16 + [1] * 4 + [0] * 12 + [2] * 3 + [0] * 13
+    assert [v.storage_offset() * 4 % 64 for v in views] == [0, 0]  # 64-byte aligned starts
+
+
+def test_averaging_sgd_update_is_sgd_on_the_mean_of_the_rows():
+    torch.manual_seed(0)
+    rows = torch.randn(2, 40)
+    weights = torch.randn(40)
+    p = nn.Parameter(weights.clone())
+    ref = torch.optim.SGD([p], lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    buf, lr = torch.zeros(40), torch.tensor(0.1)
+    for step in range(3):
+        p.grad = rows.mean(0) * (step + 1)
+        ref.step()
+        _sgd_from_rows(weights, buf, rows * (step + 1), lr, 0.5, 0.9, True, 5e-4)
+        torch.testing.assert_close(weights, p.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(buf, ref.state[p]["momentum_buffer"], rtol=1e-6, atol=1e-7)
+
+
+def test_averaging_sgd_refuses_what_it_cannot_average():
+    one = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    net = nn.Linear(4, 2)
+    with GradBuckets(net, one) as sync, pytest.raises(ValueError, match="copy-engine"):
+        AveragingSGD(sync, lr=0.1)
+    with GradBuckets(net, one) as sync, pytest.raises(ValueError, match="Nesterov"):
+        AveragingSGD(sync, lr=0.1, nesterov=True)
 
 
 def test_compile_children_compiles_only_the_children_with_parameters():

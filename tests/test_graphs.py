@@ -8,6 +8,7 @@ from torch import nn
 
 from tutorial_utils.graphs import StepGraph
 from tutorial_utils.launch import LaunchError, torchrun
+from tutorial_utils.parallel import step_timing
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -103,7 +104,7 @@ def test_grad_buckets_train_like_ddp_and_refuse_unused_parameters(device):
     assert "grad_buckets ok" in result.output
 
 
-def test_step_timing_times_grad_buckets_and_refuses_ddp_settings_with_them(tmp_path):
+def test_step_timing_times_grad_buckets_and_refuses_ddp_settings_with_them(tmp_path, capsys):
     out = tmp_path / "st.jsonl"
     args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
             "--device", "cpu", "--capture", "--grad-sync", "buckets", "--bucket-mb", "0.01",
@@ -116,6 +117,9 @@ def test_step_timing_times_grad_buckets_and_refuses_ddp_settings_with_them(tmp_p
         torchrun("tutorial_utils.parallel.step_timing", [*args, "--bucket-view"], nproc=1,
                  timeout_s=120, echo=False)
     assert "--bucket-view is a DDP setting" in err.value.output
+    with pytest.raises(SystemExit):  # refused before any process group or network
+        step_timing.main([*args, "--optimizer", "averaging"])
+    assert "add --grad-sync copy-engine" in capsys.readouterr().err
 
 
 def test_step_timing_records_a_captured_run(tmp_path):

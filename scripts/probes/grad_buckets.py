@@ -38,6 +38,10 @@ VARIANTS = {
     "copy-engine": ["--grad-sync", "copy-engine"],  # no NCCL kernels: DMA copies + additions
     "copy-engine-bf16": ["--grad-sync", "copy-engine", "--bf16-grads"],
     "copy-engine-bf16-10MB": ["--grad-sync", "copy-engine", "--bf16-grads", "--bucket-mb", "10"],
+    # the averaging left to the optimizer's own pass (AveragingSGD): no kernels beside backward
+    "copy-engine-avg": ["--grad-sync", "copy-engine", "--optimizer", "averaging"],
+    "copy-engine-avg-bf16": ["--grad-sync", "copy-engine", "--optimizer", "averaging",
+                             "--bf16-grads"],
 }
 
 

@@ -7,9 +7,10 @@ channels_last network) give the weights DDP gives, on every rank; on GPUs the Gr
 steps are replayed from one CUDA graph, all-reduces included. With the buckets all-reduced in
 bfloat16 the weights stay close to DDP's and equal on every rank. On GPUs the same holds for
 the copy-engine transport (peers' buckets pulled from symmetric memory), in float32 and in
-bfloat16. Then: averaged BatchNorm statistics are the mean of the ranks' own; paused, the
-gradients stay each rank's own; a parameter left out of the loss is a clear error. Prints
-"grad_buckets ok".
+bfloat16, and for AveragingSGD, which averages those rows in its own update (paused, it
+applies each rank's own gradient). Then: averaged BatchNorm statistics are the mean of the
+ranks' own; paused, the gradients stay each rank's own; a parameter left out of the loss is a
+clear error. Prints "grad_buckets ok".
 """
 
 import sys
@@ -22,7 +23,9 @@ from torch import nn
 from tutorial_utils.graphs import StepGraph
 from tutorial_utils.parallel.data_parallel import ddp
 from tutorial_utils.parallel.distributed import distributed
-from tutorial_utils.parallel.grad_buckets import GradBuckets
+from tutorial_utils.parallel.grad_buckets import AveragingSGD, GradBuckets
+
+SGD = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
 
 
 def small_net() -> nn.Sequential:
@@ -32,7 +35,7 @@ def small_net() -> nn.Sequential:
 
 
 def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None,
-            transport="all-reduce") -> torch.Tensor:
+            transport="all-reduce", averaging=False) -> torch.Tensor:
     torch.manual_seed(ctx.rank)  # different initial weights: both must broadcast rank 0's
     net = small_net().to(ctx.device, memory_format=torch.channels_last)
     x, y = (t.clone() for t in batches[0])
@@ -40,7 +43,7 @@ def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None,
         with graph.stream():
             sync = GradBuckets(net, ctx, 0.002, wire_dtype, transport) if use_buckets else None
             model = net if use_buckets else ddp(net, ctx)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        opt = AveragingSGD(sync, **SGD) if averaging else torch.optim.SGD(net.parameters(), **SGD)
 
         def body():
             F.cross_entropy(model(x), y).backward()
@@ -99,6 +102,25 @@ def check_pause_and_unused(ctx, batches) -> None:
             raise AssertionError("an unused parameter went unnoticed")
 
 
+def check_paused_averaging_sgd(ctx, batches) -> None:
+    net = small_net().to(ctx.device)
+    x, y = batches[0]
+    with GradBuckets(net, ctx, transport="copy-engine") as sync:
+        opt = AveragingSGD(sync, **SGD)
+        start = torch.cat([p.detach().flatten() for p in net.parameters()])
+        with sync.pause():
+            F.cross_entropy(net(x), y).backward()
+            sync.wait()
+            opt.step()
+        flat = torch.nn.Parameter(start.clone())  # the same step, on this rank's gradient
+        flat.grad = torch.cat([p.grad.flatten() for p in net.parameters()])
+        torch.optim.SGD([flat], **SGD).step()
+        after = torch.cat([p.detach().flatten() for p in net.parameters()])
+        torch.testing.assert_close(after, flat.detach())
+        everyone = gathered(after, ctx.world_size)
+        assert not torch.equal(everyone[0], everyone[1]), "paused, yet the ranks agree"
+
+
 device = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 with distributed(device) as ctx:
     gen = torch.Generator(device=ctx.device).manual_seed(100 + ctx.rank)
@@ -119,7 +141,12 @@ with distributed(device) as ctx:
         pulled_bf16 = trained(ctx, batches, True, capture, torch.bfloat16, "copy-engine")
         assert not torch.equal(pulled_bf16, pulled), "bf16 rows changed nothing"
         torch.testing.assert_close(pulled_bf16, reference, rtol=0, atol=1e-3)
-        results += [pulled, pulled_bf16]
+        averaged = trained(ctx, batches, True, capture, transport="copy-engine", averaging=True)
+        torch.testing.assert_close(averaged, reference, rtol=1e-5, atol=1e-6)
+        averaged_bf16 = trained(ctx, batches, True, capture, torch.bfloat16, "copy-engine", True)
+        torch.testing.assert_close(averaged_bf16, reference, rtol=0, atol=1e-3)
+        results += [pulled, pulled_bf16, averaged, averaged_bf16]
+        check_paused_averaging_sgd(ctx, batches)
     for weights in results:
         everyone = gathered(weights, ctx.world_size)
         torch.testing.assert_close(everyone[1], everyone[0], rtol=0, atol=0)

@@ -101,6 +101,7 @@ class GradBuckets:
         self.ctx = ctx
         self.module = module
         self.enabled = True
+        self._rows_to_optimizer = False  # AveragingSGD averages the rows in its update
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._hooks = []
@@ -119,7 +120,7 @@ class GradBuckets:
         broadcast_parameters(module)  # every process starts from rank 0's weights
         # Backward reaches the last layers first: fill buckets from the end.
         groups = _groups(list(reversed(params)), int(bucket_mb * 2**20))
-        flats = [torch.zeros(sum(p.numel() for p in g), dtype=g[0].dtype, device=g[0].device)
+        flats = [torch.zeros(sum(map(_span, g)), dtype=g[0].dtype, device=g[0].device)
                  for g in groups]
         kind = _PeerCopies if transport == "copy-engine" else _AllReduce
         self._transport = kind(ctx, flats, wire_dtype)
@@ -132,7 +133,7 @@ class GradBuckets:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self.enabled:
+        if not (self.enabled or self._rows_to_optimizer):
             return
         bucket = self._bucket_of[id(p)]
         if id(p) in bucket.ready:
@@ -146,17 +147,19 @@ class GradBuckets:
     def _start(self, bucket: _Bucket) -> None:
         # One multi-tensor copy kernel (a few for many tensors), not one per gradient.
         torch._foreach_copy_(bucket.wire_views, [p.grad for p in bucket.params])
-        self._transport.start(bucket.index)
+        if self.enabled:
+            self._transport.start(bucket.index)
         bucket.started = True
-        for p, view in zip(bucket.params, bucket.views, strict=True):
-            p.grad = view  # filled with the average once the transport is done
+        if not self._rows_to_optimizer:
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                p.grad = view  # filled with the average once the transport is done
 
     def wait(self) -> None:
         """Order the current stream after every bucket's average (call after backward)."""
-        if not self.enabled:
+        if not (self.enabled or self._rows_to_optimizer):
             return
         missing = sum(len(b.params) - len(b.ready) for b in self.buckets if not b.started)
-        if self.buckets:
+        if self.enabled and self.buckets:
             with torch.no_grad():
                 self._transport.finish()
         for bucket in self.buckets:
@@ -167,6 +170,21 @@ class GradBuckets:
                 f"{missing} parameter(s) got no gradient in this backward: GradBuckets needs "
                 "every parameter to take part in every step; use DDP with "
                 "find_unused_parameters=True")
+
+    def hand_rows_to_optimizer(self) -> torch.Tensor:
+        """Stop averaging here and return the rows (processes x gradients) for the optimizer.
+
+        Used by :class:`AveragingSGD`: backward still fills this process's row and pulls the
+        others', but no averaging kernel runs and ``.grad`` keeps each process's own gradient.
+        """
+        transport = getattr(self, "_transport", None)
+        if not isinstance(transport, _PeerCopies):
+            raise ValueError("the optimizer can average only the copy-engine transport's rows, "
+                             "in a run of several processes: GradBuckets(..., "
+                             "transport='copy-engine') under torchrun")
+        transport.sum_rows = False
+        self._rows_to_optimizer = True
+        return transport.rows
 
     @contextlib.contextmanager
     def pause(self) -> Iterator[None]:
@@ -196,6 +214,81 @@ class GradBuckets:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class AveragingSGD(torch.optim.Optimizer):
+    """SGD that takes the average of the gradients itself, in the pass that updates the weights.
+
+    ::
+
+        sync = GradBuckets(net, ctx, transport="copy-engine")
+        opt = AveragingSGD(sync, lr=0.1, momentum=0.9, nesterov=True)
+        loss.backward()
+        sync.wait()  # every process's gradients are side by side in sync's rows
+        opt.step()   # one element-wise kernel: average, weight decay, momentum, update
+
+    With the copy-engine transport, backward leaves each process holding every process's
+    gradients, one row each. Rather than an averaging kernel per bucket beside backward, this
+    optimizer reads the rows in its own element-wise pass (compiled by ``torch.compile`` into
+    one kernel), so the averaging costs no pass of its own. For that one kernel to cover every
+    parameter, the parameters move into one flat buffer laid out like the rows (values
+    unchanged; ``p.data`` becomes a view of it). Under ``sync.pause()`` it applies this
+    process's own gradient. The update is PyTorch's SGD (no dampening); the learning rate is
+    the tensor ``opt.lr``: change it with ``opt.lr.fill_(...)``, which a recorded graph sees.
+    """
+
+    def __init__(self, sync: GradBuckets, lr: float, momentum: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0,
+                 compile: bool = True) -> None:
+        if nesterov and momentum <= 0:
+            raise ValueError("Nesterov momentum needs momentum > 0")
+        rows = sync.hand_rows_to_optimizer()
+        params = [p for bucket in sync.buckets for p in bucket.params]
+        super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov,
+                                  "weight_decay": weight_decay})
+        self.sync, self.rows = sync, rows
+        self.weights = torch.empty(rows.shape[1], dtype=params[0].dtype, device=rows.device)
+        self.momentum = torch.zeros_like(self.weights)
+        with torch.no_grad():
+            for bucket, cols in zip(sync.buckets, sync._transport.columns, strict=True):
+                weights = _views(self.weights[cols], bucket.params)
+                buffers = _views(self.momentum[cols], bucket.params)
+                for p, w, m in zip(bucket.params, weights, buffers, strict=True):
+                    w.copy_(p)
+                    p.data = w
+                    self.state[p]["momentum_buffer"] = m  # what StepGraph saves and restores
+        self.lr = torch.tensor(float(lr), device=rows.device)
+        self._update = (torch.compile(_sgd_from_rows, dynamic=False, fullgraph=True)
+                        if compile else _sgd_from_rows)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("AveragingSGD.step takes no closure")
+        group = self.param_groups[0]
+        if self.sync.enabled:  # every row, in rank order: the same bits on every process
+            rows, scale = self.rows, 1 / self.rows.shape[0]
+        else:  # paused: this process's own gradient
+            rank = self.sync.ctx.rank
+            rows, scale = self.rows[rank:rank + 1], 1.0
+        self._update(self.weights, self.momentum, rows, self.lr, scale, group["momentum"],
+                     group["nesterov"], group["weight_decay"])
+
+
+def _sgd_from_rows(weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
+                   lr: torch.Tensor, scale: float, momentum: float, nesterov: bool,
+                   weight_decay: float) -> None:
+    """One SGD step of ``weights`` with the gradient ``scale * sum(rows)``, in place."""
+    grad = rows[0].float()
+    for r in range(1, rows.shape[0]):
+        grad = grad + rows[r].float()
+    grad = grad * scale
+    if weight_decay:
+        grad = grad + weight_decay * weights
+    if momentum:
+        buf.mul_(momentum).add_(grad)
+        grad = grad + momentum * buf if nesterov else buf
+    weights.sub_(lr * grad)
 
 
 def _average(t: torch.Tensor, async_op: bool = False) -> dist.Work | None:
@@ -244,6 +337,8 @@ class _PeerCopies:
         self.total = sum(f.numel() for f in flats)
         dtype = wire_dtype or flats[0].dtype
         self.rows = symm_mem.empty(self.world, self.total, dtype=dtype, device=ctx.device)
+        self.rows.zero_()  # the alignment gaps between gradients stay zero
+        self.sum_rows = True  # False: the optimizer adds the rows (AveragingSGD)
         self.handle = symm_mem.rendezvous(self.rows, dist.group.WORLD.group_name)
         channels = self.handle.signal_pad_size // (4 * self.world)
         if len(flats) + 1 > channels:
@@ -260,9 +355,10 @@ class _PeerCopies:
     def start(self, i: int) -> None:
         cols = self.columns[i]
         n = cols.stop - cols.start
-        # Divided here, the average below is a plain sum: one element-wise pass for two GPUs
-        # (a mean over the rows would be a reduction kernel, slower than an addition).
-        self.wires[i].mul_(1 / self.world)
+        if self.sum_rows:
+            # Divided here, the average below is a plain sum: one element-wise pass for two
+            # GPUs (a mean over the rows would be a reduction kernel, slower than an addition).
+            self.wires[i].mul_(1 / self.world)
         self.stream.wait_stream(torch.cuda.current_stream())  # this process's row is written
         with torch.cuda.stream(self.stream):
             self.handle.barrier(channel=i, timeout_ms=self.TIMEOUT_MS)  # ... and everyone's
@@ -271,10 +367,11 @@ class _PeerCopies:
                     theirs = self.handle.get_buffer(peer, (n,), self.rows.dtype,
                                                     peer * self.total + cols.start)
                     self.rows[peer, cols].copy_(theirs)
-            # The same rows added in the same order everywhere: the same bits everywhere.
-            torch.add(self.rows[0, cols], self.rows[1, cols], out=self.flats[i])
-            for row in range(2, self.world):
-                self.flats[i].add_(self.rows[row, cols])
+            if self.sum_rows:
+                # The same rows added in the same order everywhere: the same bits everywhere.
+                torch.add(self.rows[0, cols], self.rows[1, cols], out=self.flats[i])
+                for row in range(2, self.world):
+                    self.flats[i].add_(self.rows[row, cols])
 
     def finish(self) -> None:
         with torch.cuda.stream(self.stream):
@@ -297,13 +394,21 @@ def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Paramete
     return groups
 
 
+_ALIGN = 16  # elements: every slice starts 64 (float32) or 32 (bfloat16) bytes aligned
+
+
+def _span(p: torch.Tensor) -> int:
+    """Elements a tensor takes in a bucket: its own, rounded up to keep the next one aligned."""
+    return -(-p.numel() // _ALIGN) * _ALIGN
+
+
 def _views(flat: torch.Tensor, params: list[nn.Parameter]) -> list[torch.Tensor]:
     # Same strides as each parameter (channels_last kernels too), so a gradient copies in as
     # one block and the optimizer reads it in the parameter's own layout.
     views, offset = [], flat.storage_offset()  # as_strided counts from the storage's start
     for p in params:
         views.append(flat.as_strided(p.shape, p.stride(), offset))
-        offset += p.numel()
+        offset += _span(p)
     return views
 
 

@@ -18,7 +18,9 @@ the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`). ``--grad
 replaces DDP by the hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets`
 (bucketed all-reduces during backward with fewer kernels; a compiled network is then compiled
 child by child so that its gradients come out during backward); ``--bf16-grads`` applies to it
-too. ``--grad-sync copy-engine`` is GradBuckets with its copy-engine transport (GPUs only).
+too. ``--grad-sync copy-engine`` is GradBuckets with its copy-engine transport (GPUs only);
+add ``--optimizer averaging`` to leave the averaging to
+:class:`~tutorial_utils.parallel.grad_buckets.AveragingSGD`'s update.
 
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
@@ -41,7 +43,7 @@ from ..timing import benchmark, host_clock_without_sync, synchronize
 from .data_parallel import compile_for_ddp, measure_bus_bandwidth
 from .ddp_tuning import DDPTuning
 from .distributed import DistContext, distributed
-from .grad_buckets import GradBuckets, compile_children
+from .grad_buckets import AveragingSGD, GradBuckets, compile_children
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,9 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tune-kernels", action="store_true",
                         help="with --compile: coordinate-descent tuning of the generated "
                         "kernels' block sizes")
-    parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
+    parser.add_argument("--optimizer", choices=["foreach", "fused", "averaging"],
+                        default="foreach",
                         help="SGD as a few multi-tensor kernels per step (foreach, as "
-                        "chapter 2's ladder) or one pass over each tensor (fused, as train.py)")
+                        "chapter 2's ladder), one pass over each tensor (fused, as train.py), "
+                        "or one pass over all that also averages (with --grad-sync copy-engine)")
     parser.add_argument("--capture", action="store_true",
                         help="record each whole step as one CUDA graph (GPU only)")
     parser.add_argument("--grad-sync", choices=["ddp", "buckets", "copy-engine"],
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.grad_sync != "ddp" and args.bucket_view:
         parser.error("--bucket-view is a DDP setting; GradBuckets' gradients are always views "
                      "of its buckets")
+    if args.optimizer == "averaging" and args.grad_sync != "copy-engine":
+        parser.error("--optimizer averaging adds the rows of the copy-engine transport: add "
+                     "--grad-sync copy-engine")
     if args.tune_kernels and args.compile == "none":
         parser.error("--tune-kernels tunes the kernels torch.compile generates: add --compile "
                      "default")
@@ -115,9 +122,13 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
             # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
             # after backward (compile_for_ddp says why).
             model = settings.wrap(compile_for_ddp(net, args.compile, ctx), ctx)
-    fused = args.optimizer == "fused"
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True,
-                          fused=fused or None, foreach=not fused or None)
+    sgd = dict(lr=0.01, momentum=0.9, nesterov=True)
+    if args.optimizer == "averaging":
+        opt = AveragingSGD(buckets, **sgd)
+    else:
+        fused = args.optimizer == "fused"
+        opt = torch.optim.SGD(net.parameters(), **sgd, fused=fused or None,
+                              foreach=not fused or None)
     x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=dev)
     bf16 = dev.type == "cuda"
