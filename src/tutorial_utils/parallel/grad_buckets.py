@@ -20,8 +20,10 @@ On 2 H200s it removed the scaling kernels, more than half of the copying and mos
 tail, and the step was no shorter: the convolutions running beside NCCL's kernels slowed by
 about as much (chapter 5b, with the traces in ``book/logs/``). With the copy-engine transport
 below, the convolutions ran as fast as on one GPU and the step was shorter than DDP's at 64 and
-at 128 images per GPU; what it still adds is the copying into the shared buffer and the
-averaging kernels beside backward. It is here to show the mechanism and to test that account.
+at 128 images per GPU; what it still added was the copying into the shared buffer and the
+averaging kernels beside backward. :class:`AveragingSGD` takes the averaging out of backward:
+it reads the rows in the pass that updates the weights, and shortened the step again. It is
+all here to show the mechanism and to test that account.
 
 With ``wire_dtype=torch.bfloat16`` the buckets travel in bfloat16, half the bytes: the gather
 rounds each gradient on the way in, and the average is widened back into float32 gradients.
