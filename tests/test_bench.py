@@ -78,3 +78,30 @@ def test_without_gpus_the_graph_modes_are_dropped_with_a_message(capsys, monkeyp
     bench.main(["--model", "wrn-10-1"])
     assert seen["modes"] == ("eager",)
     assert "no GPU: the CUDA-graph runs are skipped" in capsys.readouterr().out
+
+
+def test_copy_engine_runs_join_each_regime_on_gpus(monkeypatch):
+    from tutorial_utils import bench
+
+    flags_seen = []
+
+    def fake_step_graph(model, batch, n, repeats, device, flags=()):
+        flags_seen.append(tuple(flags))
+        return {"ddp_ms": 4.0 * batch / 64}
+
+    monkeypatch.setattr(bench, "require_gpus", lambda n: None)
+    monkeypatch.setattr(bench, "single", lambda model, b, mode, r, d: bench.Run(
+        "single", "1 GPU", mode, 1, b, 10.0 * b / 128))
+    monkeypatch.setattr(bench, "ddp_run", lambda model, b, n, mode, r, regime, d: bench.Run(
+        regime, "DDP", mode, n, b, 8.0 * b / 64))
+    monkeypatch.setattr(bench, "time_step_graph", fake_step_graph)
+    runs = run("wrn-10-1", gpus=(2,), modes=("step graph",), data_parallel=False, device="cuda")
+    copy = {r.regime: r for r in runs if r.method == bench.COPY_ENGINE}
+    assert flags_seen == [bench.COPY_ENGINE_FLAGS] * 2
+    assert (copy["strong"].per_gpu_batch, copy["weak"].per_gpu_batch) == (64, 128)
+    assert copy["strong"].speedup == pytest.approx(10.0 / 4.0)  # 128 images: 10 ms on one GPU
+    assert copy["weak"].speedup == pytest.approx(2 * 10.0 / 8.0)
+    assert best_run(runs, "strong", bench.COPY_ENGINE) is copy["strong"]
+    without = run("wrn-10-1", gpus=(2,), modes=("step graph",), data_parallel=False,
+                  device="cuda", copy_engine=False)
+    assert all(r.method != bench.COPY_ENGINE for r in without)

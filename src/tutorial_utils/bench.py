@@ -11,6 +11,11 @@ graph ("step graph": :class:`~tutorial_utils.graphs.StepGraph` around a step com
 single-GPU run of the same invocation at the same global (strong) or per-GPU (weak) batch. The
 prediction uses chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring
 all-reduce at the bus bandwidth measured in the same run.
+
+With the step graph on GPUs, each regime also gets a "copy engine" run: DDP replaced by the
+hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets` with its copy-engine
+transport, gradients sent in bfloat16 and averaged inside the update by
+:class:`~tutorial_utils.parallel.grad_buckets.AveragingSGD` (chapter 5b says why).
 """
 
 from __future__ import annotations
@@ -34,12 +39,14 @@ TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
 STEP_GRAPH = "step graph"  # measured by parallel.step_timing in 1 or N processes alike
 GPU_ONLY_MODES = ("CUDA graphs", STEP_GRAPH)
+COPY_ENGINE = "copy engine"  # the method of the runs below
+COPY_ENGINE_FLAGS = ("--grad-sync", "copy-engine", "--optimizer", "averaging", "--bf16-grads")
 
 
 @dataclass
 class Run:
     regime: str  # "single", "strong" or "weak"
-    method: str  # "1 GPU", "DDP" or "DataParallel"
+    method: str  # "1 GPU", "DDP", "DataParallel" or COPY_ENGINE
     mode: str  # "eager", "CUDA graphs" or "step graph"
     gpus: int
     per_gpu_batch: int
@@ -57,14 +64,15 @@ class Run:
         return TRAIN_IMAGES / self.images_per_s
 
 
-def time_step_graph(model: str, batch: int, n: int, repeats: int, device: str) -> dict:
+def time_step_graph(model: str, batch: int, n: int, repeats: int, device: str,
+                    flags: Sequence[str] = ()) -> dict:
     """The record of :mod:`~tutorial_utils.parallel.step_timing` with the whole step captured,
-    in ``n`` processes (one process: no DDP, the single-GPU reference)."""
+    in ``n`` processes (one process: no DDP, the single-GPU reference), plus ``flags``."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "step.jsonl"
         args = ["--model", model, "--batch", str(batch), "--warmup", "5", "--repeats",
                 str(repeats), "--device", device, "--compile", "default", "--capture",
-                "--optimizer", "fused", "--out", str(out)]
+                "--optimizer", "fused", "--out", str(out), *flags]
         result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
                           metrics_file=out, echo=False)
     return result.metrics[0]
@@ -98,7 +106,8 @@ def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: s
 
 def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int = 128,
         per_gpu_batch: int = 128, modes: tuple[str, ...] = ("eager", "CUDA graphs"),
-        repeats: int = 20, data_parallel: bool = True, device: str | None = None) -> list[Run]:
+        repeats: int = 20, data_parallel: bool = True, device: str | None = None,
+        copy_engine: bool = True) -> list[Run]:
     """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups.
 
     ``device`` "cpu" makes the "GPUs" CPU processes (the default without GPUs); on "cuda"
@@ -123,6 +132,9 @@ def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int 
                 size = LadderSize(model, per_gpu, 5, repeats)
                 ms = time_data_parallel(size, n, cudnn_benchmark=False)
                 runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
+            if copy_engine and device == "cuda" and STEP_GRAPH in modes:
+                rec = time_step_graph(model, per_gpu, n, repeats, device, COPY_ENGINE_FLAGS)
+                runs.append(Run(regime, COPY_ENGINE, STEP_GRAPH, n, per_gpu, rec["ddp_ms"]))
     for r in (r for r in runs if r.regime != "single"):
         reference = global_batch if r.regime == "strong" else per_gpu_batch
         best = min(s.step_ms for s in runs if s.regime == "single" and s.per_gpu_batch == reference)
@@ -197,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                         default=[*MODES, STEP_GRAPH])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-data-parallel", action="store_true", help="skip nn.DataParallel")
+    parser.add_argument("--no-copy-engine", action="store_true",
+                        help="skip the copy-engine runs (GradBuckets + AveragingSGD)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     modes = tuple(args.modes)
@@ -205,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         modes = tuple(m for m in modes if m not in GPU_ONLY_MODES) or ("eager",)
     try:
         runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes,
-                   args.repeats, data_parallel=not args.no_data_parallel)
+                   args.repeats, data_parallel=not args.no_data_parallel,
+                   copy_engine=not args.no_copy_engine)
     except (ValueError, NotEnoughGPUsError) as err:
         parser.error(str(err))
     print(table(runs))
