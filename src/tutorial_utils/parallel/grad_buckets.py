@@ -235,17 +235,19 @@ class AveragingSGD(torch.optim.Optimizer):
     one kernel), so the averaging costs no pass of its own. For that one kernel to cover every
     parameter, the parameters move into one flat buffer laid out like the rows (values
     unchanged; ``p.data`` becomes a view of it). Under ``sync.pause()`` it applies this
-    process's own gradient. The update is PyTorch's SGD (no dampening); the learning rate is
-    the tensor ``opt.lr``: change it with ``opt.lr.fill_(...)``, which a recorded graph sees.
+    process's own gradient. The update is PyTorch's SGD (no dampening). The learning rate is
+    kept as a tensor on the GPU, as PyTorch's optimizers do with ``lr=torch.tensor(...)``: a
+    scheduler updates it in place, and a recorded graph reads the current value.
     """
 
-    def __init__(self, sync: GradBuckets, lr: float, momentum: float = 0.0,
+    def __init__(self, sync: GradBuckets, lr: float | torch.Tensor, momentum: float = 0.0,
                  nesterov: bool = False, weight_decay: float = 0.0,
                  compile: bool = True) -> None:
         if nesterov and momentum <= 0:
             raise ValueError("Nesterov momentum needs momentum > 0")
         rows = sync.hand_rows_to_optimizer()
         params = [p for bucket in sync.buckets for p in bucket.params]
+        lr = torch.as_tensor(lr, dtype=torch.float32, device=rows.device)
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov,
                                   "weight_decay": weight_decay})
         self.sync, self.rows = sync, rows
@@ -259,7 +261,6 @@ class AveragingSGD(torch.optim.Optimizer):
                     w.copy_(p)
                     p.data = w
                     self.state[p]["momentum_buffer"] = m  # what StepGraph saves and restores
-        self.lr = torch.tensor(float(lr), device=rows.device)
         self._update = (torch.compile(_sgd_from_rows, dynamic=False, fullgraph=True)
                         if compile else _sgd_from_rows)
 
@@ -273,7 +274,7 @@ class AveragingSGD(torch.optim.Optimizer):
         else:  # paused: this process's own gradient
             rank = self.sync.ctx.rank
             rows, scale = self.rows[rank:rank + 1], 1.0
-        self._update(self.weights, self.momentum, rows, self.lr, scale, group["momentum"],
+        self._update(self.weights, self.momentum, rows, group["lr"], scale, group["momentum"],
                      group["nesterov"], group["weight_decay"])
 
 
