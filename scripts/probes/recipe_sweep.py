@@ -39,6 +39,11 @@ VARIANTS = {
     "fast@seed1": [*FAST, "--seed", "1"],
     "fast+ghost-32@seed1": [*FAST, "--ghost-batch", "32", "--seed", "1"],
     "fast+tune-kernels": [*FAST, "--tune-kernels"],
+    "fast+batch-96": [*FAST, "--batch", "96"],  # 96 per GPU: a third more steps, lr scaled
+    "fast+wd-1e-3": [*FAST, "--weight-decay", "1e-3"],
+    "fast+wd-2.5e-4": [*FAST, "--weight-decay", "2.5e-4"],
+    "fast+warmup-0.3": [*FAST, "--warmup-epochs", "0.3"],
+    "fast+batch-96+wd-1e-3": [*FAST, "--batch", "96", "--weight-decay", "1e-3"],
 }
 
 out_dir = Path(sys.argv[1])
