@@ -251,7 +251,7 @@ class AveragingSGD(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "momentum": momentum, "nesterov": nesterov,
                                   "weight_decay": weight_decay})
         self.sync, self.rows = sync, rows
-        self.weights = torch.empty(rows.shape[1], dtype=params[0].dtype, device=rows.device)
+        self.weights = torch.zeros(rows.shape[1], dtype=params[0].dtype, device=rows.device)
         self.momentum = torch.zeros_like(self.weights)
         with torch.no_grad():
             for bucket, cols in zip(sync.buckets, sync._transport.columns, strict=True):
