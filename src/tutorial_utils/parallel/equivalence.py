@@ -77,7 +77,6 @@ def compare(ctx: DistContext, batch: int, batchnorm: bool, sync_bn: bool) -> dic
         (F.cross_entropy(accumulated(x[mine][:half]), y[mine][:half]) / 2).backward()
     (F.cross_entropy(accumulated(x[mine][half:]), y[mine][half:]) / 2).backward()
 
-
     ref = _grads(reference)
     scale = max(float(g.abs().max()) for g in ref)
     return {

@@ -104,6 +104,7 @@ class GradBuckets:
         self.module = module
         self.enabled = True
         self._rows_to_optimizer = False  # AveragingSGD averages the rows in its update
+        self._transport: _AllReduce | _PeerCopies | None = None  # none for one process
         self.buckets: list[_Bucket] = []
         self._bucket_of: dict[int, _Bucket] = {}
         self._hooks = []
@@ -179,7 +180,7 @@ class GradBuckets:
         Used by :class:`AveragingSGD`: backward still fills this process's row and pulls the
         others', but no averaging kernel runs and ``.grad`` keeps each process's own gradient.
         """
-        transport = getattr(self, "_transport", None)
+        transport = self._transport
         if not isinstance(transport, _PeerCopies):
             raise ValueError("the optimizer can average only the copy-engine transport's rows, "
                              "in a run of several processes: GradBuckets(..., "
@@ -253,14 +254,13 @@ class AveragingSGD(torch.optim.Optimizer):
         self.sync, self.rows = sync, rows
         self.weights = torch.zeros(rows.shape[1], dtype=params[0].dtype, device=rows.device)
         self.momentum = torch.zeros_like(self.weights)
+        # The buckets lie back to back in the rows, so one pass of _views lines them up.
+        weights, buffers = _views(self.weights, params), _views(self.momentum, params)
         with torch.no_grad():
-            for bucket, cols in zip(sync.buckets, sync._transport.columns, strict=True):
-                weights = _views(self.weights[cols], bucket.params)
-                buffers = _views(self.momentum[cols], bucket.params)
-                for p, w, m in zip(bucket.params, weights, buffers, strict=True):
-                    w.copy_(p)
-                    p.data = w
-                    self.state[p]["momentum_buffer"] = m  # what StepGraph saves and restores
+            for p, w, m in zip(params, weights, buffers, strict=True):
+                w.copy_(p)
+                p.data = w
+                self.state[p]["momentum_buffer"] = m  # what StepGraph saves and restores
         self._update = (torch.compile(_sgd_from_rows, dynamic=False, fullgraph=True)
                         if compile else _sgd_from_rows)
 
