@@ -76,6 +76,12 @@ def main(argv: list[str] | None = None) -> None:
                         help="gradients as views into DDP's buckets (no copy)")
     parser.add_argument("--bf16-grads", action="store_true",
                         help="all-reduce the gradients in bfloat16 (DDP or GradBuckets)")
+    parser.add_argument("--cudnn", choices=["benchmark", "heuristics", "benchmark-all"],
+                        default="benchmark",
+                        help="how cuDNN picks each convolution's algorithm: by timing its "
+                        "first 10 candidates once each (benchmark, the default), by its "
+                        "heuristics alone (the same pick in every process), or by timing "
+                        "every candidate")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
@@ -103,7 +109,9 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
             local_graph: StepGraph) -> dict:
     """Time the DDP step (in ``graph``) and the same step under ``no_sync`` (``local_graph``)."""
     dev = ctx.device
-    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.benchmark = args.cudnn != "heuristics"
+    if args.cudnn == "benchmark-all":
+        torch.backends.cudnn.benchmark_limit = 0  # 0: no limit
     if args.compile != "none":
         from torch._inductor import config as inductor_config
 
@@ -160,7 +168,8 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     record = {
         "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
         "optimizer": args.optimizer, "tune_kernels": args.tune_kernels,
-        "capture": args.capture, "grad_sync": args.grad_sync, "per_gpu_batch": args.batch,
+        "capture": args.capture, "grad_sync": args.grad_sync, "cudnn": args.cudnn,
+        "per_gpu_batch": args.batch,
         "ddp_ms": with_ddp.median_ms,
         "ddp_spread": with_ddp.spread, "no_sync_ms": compute.median_ms,
         "host_ms": host.median_ms, "ddp_tuning": asdict(settings),
