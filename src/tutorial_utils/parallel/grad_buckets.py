@@ -31,10 +31,11 @@ rounds each gradient on the way in, and the average is widened back into float32
 ``transport="copy-engine"`` (GPUs that can map each other's memory: NVLink or PCIe peer
 access) averages without NCCL's kernels, which hold multiprocessors that backward wants. All
 buckets live in one buffer of PyTorch's symmetric memory, one row per process, mapped into
-every process. Each process writes its own row; when a bucket is written everywhere (a
-barrier), each one pulls the other rows' slices with ``cudaMemcpyAsync``, which the GPU's copy
-engines (DMA) carry out, and adds the rows (each divided by the number of processes on its
-way in) into the gradients. Every process adds the same rows in the same order, so they all
+every process. Each process copies a finished bucket into its own row on a stream of its
+own, beside the rest of backward; when a bucket is written everywhere (a barrier), each one
+pulls the other rows' slices with ``cudaMemcpyAsync``, which the GPU's copy engines (DMA)
+carry out, and adds the rows (each divided by the number of processes on its way in) into the
+gradients. Every process adds the same rows in the same order, so they all
 get the same bits.
 
 What it leaves out, and DDP does not: parameters that get no gradient in a step (DDP's
@@ -148,10 +149,11 @@ class GradBuckets:
 
     @torch.no_grad()
     def _start(self, bucket: _Bucket) -> None:
-        # One multi-tensor copy kernel (a few for many tensors), not one per gradient.
-        torch._foreach_copy_(bucket.wire_views, [p.grad for p in bucket.params])
+        grads = [p.grad for p in bucket.params]
         if self.enabled:
-            self._transport.start(bucket.index)
+            self._transport.start(bucket.index, bucket.wire_views, grads)
+        else:  # paused, for AveragingSGD: this process's own row, without any communication
+            _gather(bucket.wire_views, grads)
         bucket.started = True
         if not self._rows_to_optimizer:
             for p, view in zip(bucket.params, bucket.views, strict=True):
@@ -294,6 +296,12 @@ def _sgd_from_rows(weights: torch.Tensor, buf: torch.Tensor, rows: torch.Tensor,
     weights.sub_(lr * grad)
 
 
+def _gather(wire_views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """Copy the gradients into their bucket's slices, rounding them if the wire is narrower."""
+    # One multi-tensor copy kernel (a few for many tensors), not one per gradient.
+    torch._foreach_copy_(wire_views, grads)
+
+
 def _average(t: torch.Tensor, async_op: bool = False) -> dist.Work | None:
     """All-reduce ``t`` in place into the mean over the processes."""
     if dist.get_backend() == dist.Backend.NCCL:
@@ -311,7 +319,8 @@ class _AllReduce:
         self.wires = [f if wire_dtype in (None, f.dtype) else f.to(wire_dtype) for f in flats]
         self._work: dict[int, dist.Work] = {}
 
-    def start(self, i: int) -> None:
+    def start(self, i: int, wire_views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        _gather(wire_views, grads)
         self._work[i] = _average(self.wires[i], async_op=True)
 
     def finish(self) -> None:
@@ -354,17 +363,23 @@ class _PeerCopies:
         self.wires = [self.rows[self.rank, c] for c in self.columns]
         self.flats = flats
         self.stream = torch.cuda.Stream(ctx.device)
+        self._held: list[list[torch.Tensor]] = []  # gradients the stream above still reads
 
-    def start(self, i: int) -> None:
+    def start(self, i: int, wire_views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         cols = self.columns[i]
         n = cols.stop - cols.start
-        if self.sum_rows:
-            # Divided here, the average below is a plain sum: one element-wise pass for two
-            # GPUs (a mean over the rows would be a reduction kernel, slower than an addition).
-            self.wires[i].mul_(1 / self.world)
-        self.stream.wait_stream(torch.cuda.current_stream())  # this process's row is written
+        self.stream.wait_stream(torch.cuda.current_stream())  # the bucket's gradients are in
+        self._held.append(grads)  # kept alive until finish() joins this stream back
         with torch.cuda.stream(self.stream):
-            self.handle.barrier(channel=i, timeout_ms=self.TIMEOUT_MS)  # ... and everyone's
+            # Here rather than on the compute stream, the copy into this process's row runs
+            # beside the rest of backward, as the pulls do.
+            _gather(wire_views, grads)
+            if self.sum_rows:
+                # Divided here, the average below is a plain sum: one element-wise pass for
+                # two GPUs (a mean over the rows would be a reduction kernel, slower than an
+                # addition).
+                self.wires[i].mul_(1 / self.world)
+            self.handle.barrier(channel=i, timeout_ms=self.TIMEOUT_MS)  # everyone's is in
             for peer in range(self.world):
                 if peer != self.rank:  # contiguous, same dtype: one DMA copy over the link
                     theirs = self.handle.get_buffer(peer, (n,), self.rows.dtype,
@@ -381,6 +396,7 @@ class _PeerCopies:
             # No process may overwrite its row (next step) while another still reads it.
             self.handle.barrier(channel=len(self.columns), timeout_ms=self.TIMEOUT_MS)
         torch.cuda.current_stream().wait_stream(self.stream)
+        self._held.clear()  # the copies have been read: backward's gradients may go
 
 
 def _groups(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
