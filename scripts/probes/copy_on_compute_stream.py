@@ -1,0 +1,27 @@
+"""Probe helper: step_timing with GradBuckets' copy into its row back on the compute stream.
+
+    torchrun --standalone --nproc_per_node=2 scripts/probes/copy_on_compute_stream.py ARGS
+
+The same as ``python -m tutorial_utils.parallel.step_timing ARGS``, except that the copy-engine
+transport gathers each bucket into this process's row on the compute stream, before handing
+over to its own stream (GradBuckets before d1593f4), for an A/B in one invocation.
+"""
+
+import torch
+
+from tutorial_utils.parallel import grad_buckets
+from tutorial_utils.parallel.step_timing import main
+
+side_stream_start = grad_buckets._PeerCopies.start
+
+
+def start_after_copying_here(self, i, wire_views, grads):
+    grad_buckets._gather(wire_views, grads)  # on the compute stream, between backward kernels
+    side_stream_start(self, i, [], [])  # the rest as usual; nothing left to copy
+
+
+grad_buckets._PeerCopies.start = start_after_copying_here
+
+if __name__ == "__main__":
+    assert torch.cuda.is_available(), "this A/B compares CUDA streams"
+    main()

@@ -1,0 +1,81 @@
+"""Probe (not part of the book): GradBuckets' copy into its row on its own stream or not.
+
+    python scripts/probes/copy_stream.py OUT.jsonl [BUDGET_S [ROUNDS]]
+
+Chapter 5b's "copy engine" step (step graph, GradBuckets with the copy-engine transport,
+AveragingSGD, bf16 rows) on 2 GPUs at 64 and 128 images per GPU, timed alternately with the
+copy of each bucket into this process's row on the transport's stream (``side``, the package)
+and on the compute stream (``compute``, scripts/probes/copy_on_compute_stream.py), ROUNDS
+times (default 2). The one-GPU step graph at 128 runs first on both GPUs at once, as the
+reference of the speed-ups. No run starts after BUDGET_S seconds (default 300).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from tutorial_utils.bench import COPY_ENGINE_FLAGS
+from tutorial_utils.launch import torchrun
+
+BASE = ["--model", "wrn-28-10", "--compile", "default", "--capture", "--optimizer", "fused",
+        "--device", "cuda", "--repeats", "30"]
+TARGETS = {"side": "tutorial_utils.parallel.step_timing",
+           "compute": str(Path(__file__).with_name("copy_on_compute_stream.py"))}
+
+
+def single(gpu: int, batch: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "st.jsonl"
+        cmd = [sys.executable, "-m", "tutorial_utils.parallel.step_timing", *BASE, "--batch",
+               str(batch), "--out", str(out)]
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-400:])
+        return json.loads(out.read_text().splitlines()[0])["ddp_ms"]
+
+
+def two_gpus(where: str, batch: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "st.jsonl"
+        result = torchrun(TARGETS[where], [*BASE, "--batch", str(batch), "--out", str(out),
+                                           *COPY_ENGINE_FLAGS],
+                          nproc=2, timeout_s=300, metrics_file=out, echo=False)
+    return result.metrics[0]
+
+
+out_path = Path(sys.argv[1])
+budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 300
+rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
+t0 = time.perf_counter()
+with ThreadPoolExecutor(2) as pool:
+    refs = list(pool.map(single, (0, 1), (128, 128)))
+best = min(refs)
+print(f"one GPU @ 128 (GPU 0, GPU 1): {refs[0]:.2f}, {refs[1]:.2f} ms", flush=True)
+rows = []
+for r in range(rounds):
+    for batch in (64, 128):
+        for where in (("side", "compute") if r % 2 == 0 else ("compute", "side")):
+            if time.perf_counter() - t0 > budget_s:
+                print(f"{where}@{batch}: not started, budget spent", flush=True)
+                continue
+            rec = {**two_gpus(where, batch), "copy_stream": where, "round": r}
+            # weak: 2 x 128 against one GPU's 128; strong: 2 x 64 against one GPU's 128
+            rec["speedup"] = 2 * batch / rec["ddp_ms"] / (128 / best)
+            rows.append(rec)
+            with open(out_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{where}@{batch}: {rec['ddp_ms']:.2f} ms "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+print(f"\nbest one GPU at 128: {best:.2f} ms")
+print(f"{'copy on':<10}{'batch/GPU':>10}{'round':>6}{'step ms':>9}{'no_sync':>9}{'speed-up':>9}")
+for r in rows:
+    print(f"{r['copy_stream']:<10}{r['per_gpu_batch']:>10}{r['round']:>6}{r['ddp_ms']:>9.2f}"
+          f"{r['no_sync_ms']:>9.2f}{r['speedup']:>8.2f}x")
+print(f"probe done at {time.perf_counter() - t0:.0f} s")
