@@ -13,11 +13,16 @@ from tutorial_utils.parallel import grad_buckets
 from tutorial_utils.parallel.step_timing import main
 
 side_stream_start = grad_buckets._PeerCopies.start
+gather = grad_buckets._gather
 
 
 def start_after_copying_here(self, i, wire_views, grads):
-    grad_buckets._gather(wire_views, grads)  # on the compute stream, between backward kernels
-    side_stream_start(self, i, [], [])  # the rest as usual; nothing left to copy
+    gather(wire_views, grads)  # on the compute stream, between backward kernels
+    grad_buckets._gather = lambda *_: None  # the rest as usual, with nothing left to copy
+    try:
+        side_stream_start(self, i, wire_views, grads)
+    finally:
+        grad_buckets._gather = gather
 
 
 grad_buckets._PeerCopies.start = start_after_copying_here
