@@ -22,8 +22,9 @@ about as much (chapter 5b, with the traces in ``book/logs/``). With the copy-eng
 below, the convolutions ran as fast as on one GPU and the step was shorter than DDP's at 64 and
 at 128 images per GPU; what it still added was the copying into the shared buffer and the
 averaging kernels beside backward. :class:`AveragingSGD` takes the averaging out of backward:
-it reads the rows in the pass that updates the weights, and shortened the step again. It is
-all here to show the mechanism and to test that account.
+it reads the rows in the pass that updates the weights, and shortened the step again; the copy
+into the shared buffer, moved from the compute stream to the transport's own, shortened it a
+little more. It is all here to show the mechanism and to test that account.
 
 With ``wire_dtype=torch.bfloat16`` the buckets travel in bfloat16, half the bytes: the gather
 rounds each gradient on the way in, and the average is widened back into float32 gradients.
