@@ -36,8 +36,7 @@ every process. Each process copies a finished bucket into its own row on a strea
 own, beside the rest of backward; when a bucket is written everywhere (a barrier), each one
 pulls the other rows' slices with ``cudaMemcpyAsync``, which the GPU's copy engines (DMA)
 carry out, and adds the rows (each divided by the number of processes on its way in) into the
-gradients. Every process adds the same rows in the same order, so they all
-get the same bits.
+gradients. Every process adds the same rows in the same order, so they all get the same bits.
 
 What it leaves out, and DDP does not: parameters that get no gradient in a step (DDP's
 ``find_unused_parameters``; here :meth:`~GradBuckets.wait` raises), parameters used twice in

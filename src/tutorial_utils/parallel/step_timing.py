@@ -22,6 +22,10 @@ too. ``--grad-sync copy-engine`` is GradBuckets with its copy-engine transport (
 add ``--optimizer averaging`` to leave the averaging to
 :class:`~tutorial_utils.parallel.grad_buckets.AveragingSGD`'s update.
 
+``--cudnn`` sets how cuDNN picks its convolution algorithms: each process times them once
+per shape by default, so two processes can keep different ones; ``heuristics`` gives every
+process the same pick.
+
 With ``--trace PATH``, rank 0 also profiles a few DDP steps, writes a Chrome trace (open it in
 Perfetto) and adds to its record the GPU time per step spent in kernels and in NCCL.
 """
