@@ -125,10 +125,11 @@ def test_step_timing_times_grad_buckets_and_refuses_ddp_settings_with_them(tmp_p
 def test_step_timing_records_a_captured_run(tmp_path):
     out = tmp_path / "st.jsonl"
     args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
-            "--device", "cpu", "--capture", "--out", str(out), "--trace", str(tmp_path / "t.json")]
+            "--device", "cpu", "--capture", "--cudnn", "heuristics", "--out", str(out),
+            "--trace", str(tmp_path / "t.json")]
     torchrun("tutorial_utils.parallel.step_timing", args, nproc=2, timeout_s=300, echo=False)
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert record["capture"] and record["world_size"] == 2
+    assert record["capture"] and record["world_size"] == 2 and record["cudnn"] == "heuristics"
     assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0 and record["host_ms"] > 0
     assert (tmp_path / "t.json").stat().st_size > 0
 
