@@ -11,42 +11,15 @@ reference of the speed-ups. No run starts after BUDGET_S seconds (default 300).
 """
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tutorial_utils.bench import COPY_ENGINE_FLAGS
-from tutorial_utils.launch import torchrun
+from cudnn_picks import single, two_gpus  # this directory's probe: the same two kinds of run
 
-BASE = ["--model", "wrn-28-10", "--compile", "default", "--capture", "--optimizer", "fused",
-        "--device", "cuda", "--repeats", "30"]
 TARGETS = {"side": "tutorial_utils.parallel.step_timing",
            "compute": str(Path(__file__).with_name("copy_on_compute_stream.py"))}
-
-
-def single(gpu: int, batch: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "st.jsonl"
-        cmd = [sys.executable, "-m", "tutorial_utils.parallel.step_timing", *BASE, "--batch",
-               str(batch), "--out", str(out)]
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-        if done.returncode:
-            raise RuntimeError(done.stderr[-400:])
-        return json.loads(out.read_text().splitlines()[0])["ddp_ms"]
-
-
-def two_gpus(where: str, batch: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "st.jsonl"
-        result = torchrun(TARGETS[where], [*BASE, "--batch", str(batch), "--out", str(out),
-                                           *COPY_ENGINE_FLAGS],
-                          nproc=2, timeout_s=300, metrics_file=out, echo=False)
-    return result.metrics[0]
 
 
 out_path = Path(sys.argv[1])
@@ -54,7 +27,7 @@ budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 300
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 t0 = time.perf_counter()
 with ThreadPoolExecutor(2) as pool:
-    refs = list(pool.map(single, (0, 1), (128, 128)))
+    refs = [r["ddp_ms"] for r in pool.map(single, (0, 1), (128, 128), ("benchmark",) * 2)]
 best = min(refs)
 print(f"one GPU @ 128 (GPU 0, GPU 1): {refs[0]:.2f}, {refs[1]:.2f} ms", flush=True)
 rows = []
@@ -64,7 +37,8 @@ for r in range(rounds):
             if time.perf_counter() - t0 > budget_s:
                 print(f"{where}@{batch}: not started, budget spent", flush=True)
                 continue
-            rec = {**two_gpus(where, batch), "copy_stream": where, "round": r}
+            rec = {**two_gpus(batch, "benchmark", TARGETS[where]), "copy_stream": where,
+                   "round": r}
             # weak: 2 x 128 against one GPU's 128; strong: 2 x 64 against one GPU's 128
             rec["speedup"] = 2 * batch / rec["ddp_ms"] / (128 / best)
             rows.append(rec)

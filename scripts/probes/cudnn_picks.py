@@ -38,46 +38,53 @@ def single(gpu: int, batch: int, cudnn: str) -> dict:
         return {**json.loads(out.read_text().splitlines()[0]), "gpu": gpu}
 
 
-def two_gpus(batch: int, cudnn: str) -> dict:
+def two_gpus(batch: int, cudnn: str,
+             target: str = "tutorial_utils.parallel.step_timing") -> dict:
+    """The copy-engine step on 2 GPUs; ``target`` a module or script with step_timing's CLI."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"
-        result = torchrun("tutorial_utils.parallel.step_timing",
+        result = torchrun(target,
                           [*BASE, "--batch", str(batch), "--cudnn", cudnn, "--out", str(out),
                            *COPY_ENGINE_FLAGS], nproc=2, timeout_s=300, metrics_file=out,
                           echo=False)
     return {**result.metrics[0], "gpu": "0+1"}
 
 
-out_path = Path(sys.argv[1])
-budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 480
-jobs = sys.argv[3:] or ["pair:benchmark@128", "pair:heuristics@128"]
-t0 = time.perf_counter()
-rows = []
-for job in jobs:
-    kind, rest = job.split(":")
-    cudnn, batch = rest.split("@")
-    if time.perf_counter() - t0 > budget_s:
-        print(f"{job}: not started, budget spent", flush=True)
-        continue
-    try:
-        if kind == "pair":
-            with ThreadPoolExecutor(2) as pool:
-                futures = [pool.submit(single, gpu, int(batch), cudnn) for gpu in (0, 1)]
-            recs = [f.result() for f in futures]
-        else:
-            recs = [two_gpus(int(batch), cudnn)]
-    except Exception as err:  # one failed job must not lose the others
-        print(f"{job}: failed: {str(err)[-300:]}", flush=True)
-        continue
-    for rec in recs:
-        rec["job"] = job
-        rows.append(rec)
-        with open(out_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(f"{job} gpu {rec['gpu']}: {rec['ddp_ms']:.2f} ms "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+def main() -> None:
+    out_path = Path(sys.argv[1])
+    budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 480
+    jobs = sys.argv[3:] or ["pair:benchmark@128", "pair:heuristics@128"]
+    t0 = time.perf_counter()
+    rows = []
+    for job in jobs:
+        kind, rest = job.split(":")
+        cudnn, batch = rest.split("@")
+        if time.perf_counter() - t0 > budget_s:
+            print(f"{job}: not started, budget spent", flush=True)
+            continue
+        try:
+            if kind == "pair":
+                with ThreadPoolExecutor(2) as pool:
+                    futures = [pool.submit(single, gpu, int(batch), cudnn) for gpu in (0, 1)]
+                recs = [f.result() for f in futures]
+            else:
+                recs = [two_gpus(int(batch), cudnn)]
+        except Exception as err:  # one failed job must not lose the others
+            print(f"{job}: failed: {str(err)[-300:]}", flush=True)
+            continue
+        for rec in recs:
+            rec["job"] = job
+            rows.append(rec)
+            with open(out_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+            print(f"{job} gpu {rec['gpu']}: {rec['ddp_ms']:.2f} ms "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-print(f"\n{'job':<26}{'gpu':>5}{'step ms':>9}{'no_sync':>9}")
-for r in rows:
-    print(f"{r['job']:<26}{r['gpu']:>5}{r['ddp_ms']:>9.2f}{r['no_sync_ms']:>9.2f}")
-print(f"probe done at {time.perf_counter() - t0:.0f} s")
+    print(f"\n{'job':<26}{'gpu':>5}{'step ms':>9}{'no_sync':>9}")
+    for r in rows:
+        print(f"{r['job']:<26}{r['gpu']:>5}{r['ddp_ms']:>9.2f}{r['no_sync_ms']:>9.2f}")
+    print(f"probe done at {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
