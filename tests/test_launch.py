@@ -1,5 +1,4 @@
 import json
-import re
 import time
 from pathlib import Path
 
@@ -15,10 +14,9 @@ def test_crashing_rank_is_reported_in_one_line_without_waiting_for_the_others():
     with pytest.raises(LaunchError) as err:
         torchrun(str(WORKERS / "crash_rank1.py"), nproc=2, timeout_s=60, echo=False)
     assert time.monotonic() - t0 < 60
-    # Python writes an uncaught exception's line in pieces; torchrun's --tee, reading the
-    # rank's log while it is written, can tag the second piece "[default1]:" mid-line.
-    summary = re.sub(r"\[default\d+\]:", "", str(err.value))
-    assert summary == "rank 1 failed: ValueError: deliberate failure on rank 1 (full output above)"
+    assert str(err.value) == (
+        "rank 1 failed: ValueError: deliberate failure on rank 1 (full output above)"
+    )
     assert "Traceback" in err.value.output
 
 
@@ -42,6 +40,35 @@ def test_summary_sees_through_torchs_rank_tags():
     ])
     assert failure_summary(output, 1) == (
         "rank 0 failed: RuntimeError: NCCL communicator was aborted (full output above)"
+    )
+
+
+def test_summary_removes_a_tag_torchrun_wrote_mid_line():
+    # Python writes an uncaught exception's line in pieces; torchrun's --tee, reading the
+    # rank's log while it is written, can tag the second piece too.
+    output = "[default1]:ValueError: deliberate [default1]:failure on rank 1"
+    assert failure_summary(output, 1) == (
+        "rank 1 failed: ValueError: deliberate failure on rank 1 (full output above)"
+    )
+
+
+def test_summary_reports_a_cpp_exception_that_ended_the_process():
+    # What NCCL's watchdog leaves when a collective times out: no Python exception, the
+    # process aborts through std::terminate.
+    what = ("[PG ID 0 PG GUID 0(default_pg) Rank 0] Process group watchdog thread terminated "
+            "with exception: [Rank 0] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=2, OpType=ALLREDUCE) ran for 10004 milliseconds before timing out.")
+    output = "\n".join([
+        "[default1]:[rank1]: blocked in the data loader",
+        "[default0]:terminate called after throwing an instance of 'c10::DistBackendError'",
+        f"[default0]:  what():  {what}",
+        "[default0]:Exception raised from checkTimeout at ProcessGroupNCCL.cpp:692",
+        "[default0]:frame #1: c10d::ProcessGroupNCCL::WorkNCCL::checkTimeout(...)",
+        "Root Cause (first observed failure):",
+        "  local_rank: 0 (pid: 12)",
+    ])
+    assert failure_summary(output, -6) == (
+        f"rank 0 failed: c10::DistBackendError: {what} (full output above)"
     )
 
 

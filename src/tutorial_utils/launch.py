@@ -21,8 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
+# torchrun's --tee, reading a rank's log while it is written, can tag a line mid-way too.
+_TEE_TAG = re.compile(r"\[default\d+\]:")
 _RANK_TAG = re.compile(r"^\s*\[rank\d+\]:")  # torch tags lines once a process group exists
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+# A C++ exception that ends the process (NCCL's watchdog after a timeout): std::terminate
+# names its type on one line and its message on the next.
+_CXX_TYPE = re.compile(r"^terminate called after throwing an instance of '([^']+)'")
+_CXX_WHAT = re.compile(r"^what\(\):\s*(.+)")
 
 
 class LaunchError(RuntimeError):
@@ -48,19 +54,23 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 def failure_summary(output: str, returncode: int) -> str:
-    """One line: which rank failed first, and with which exception."""
+    """One line: which rank failed first, and with which exception (Python's or C++'s)."""
     root = output.rsplit("Root Cause", 1)
     match = re.search(r"local_rank:\s*(\d+)", root[1]) if len(root) == 2 else None
     rank = match.group(1) if match else None
-    last_error = None
+    last_error = cxx_type = cxx_error = None
     for line in output.splitlines():
         prefixed = _PREFIX.match(line)
         if prefixed and (rank is None or prefixed.group(1) == rank):
-            text = _RANK_TAG.sub("", prefixed.group(2)).strip()
+            text = _RANK_TAG.sub("", _TEE_TAG.sub("", prefixed.group(2))).strip()
             if _EXCEPTION.match(text):
                 last_error, rank = text, prefixed.group(1)
+            elif found := _CXX_TYPE.match(text):
+                cxx_type = found.group(1)
+            elif cxx_type and (found := _CXX_WHAT.match(text)):
+                cxx_error, rank = f"{cxx_type}: {found.group(1)}", prefixed.group(1)
     who = f"rank {rank}" if rank is not None else "the job"
-    what = last_error or f"exit code {returncode}"
+    what = last_error or cxx_error or f"exit code {returncode}"
     return f"{who} failed: {what} (full output above)"
 
 
