@@ -11,14 +11,12 @@ network in the pieces that scripts/probes/pieces_step.py names: ``children``, ``
 best one-GPU run at 128 of the invocation (strong: 2 x 64; weak: 2 x 128).
 """
 
-import json
 import os
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cudnn_picks import single, two_gpus  # this directory's probe: the same two kinds of run
+from cudnn_picks import keep, pair, two_gpus  # this directory's probe: the same runs
 
 HELPER = str(Path(__file__).with_name("pieces_step.py"))
 
@@ -35,8 +33,7 @@ for job in jobs:
         continue
     try:
         if kind == "pair":
-            with ThreadPoolExecutor(2) as pool:
-                recs = list(pool.map(single, (0, 1), (batch, batch), ("benchmark",) * 2))
+            recs = pair(batch, "benchmark")
         else:
             os.environ["PIECES"] = kind
             recs = [two_gpus(batch, "benchmark", HELPER)]
@@ -44,12 +41,7 @@ for job in jobs:
         print(f"{job}: failed: {str(err)[-300:]}", flush=True)
         continue
     for rec in recs:
-        rec["job"] = job
-        rows.append(rec)
-        with open(out_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        print(f"{job} gpu {rec['gpu']}: {rec['ddp_ms']:.2f} ms (no_sync {rec['no_sync_ms']:.2f}) "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        keep({**rec, "job": job}, rows, out_path, f"{job} gpu {rec['gpu']}", t0)
 
 ref = min((r["ddp_ms"] for r in rows if r["job"] == "pair@128"), default=None)
 print(f"\nbest one GPU at 128: {ref}")

@@ -10,13 +10,11 @@ times (default 2). The one-GPU step graph at 128 runs first on both GPUs at once
 reference of the speed-ups. No run starts after BUDGET_S seconds (default 300).
 """
 
-import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cudnn_picks import single, two_gpus  # this directory's probe: the same two kinds of run
+from cudnn_picks import keep, pair, two_gpus  # this directory's probe: the same runs
 
 TARGETS = {"side": "tutorial_utils.parallel.step_timing",
            "compute": str(Path(__file__).with_name("copy_on_compute_stream.py"))}
@@ -26,8 +24,7 @@ out_path = Path(sys.argv[1])
 budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 300
 rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 2
 t0 = time.perf_counter()
-with ThreadPoolExecutor(2) as pool:
-    refs = [r["ddp_ms"] for r in pool.map(single, (0, 1), (128, 128), ("benchmark",) * 2)]
+refs = [r["ddp_ms"] for r in pair(128, "benchmark")]
 best = min(refs)
 print(f"one GPU @ 128 (GPU 0, GPU 1): {refs[0]:.2f}, {refs[1]:.2f} ms", flush=True)
 rows = []
@@ -41,11 +38,7 @@ for r in range(rounds):
                    "round": r}
             # weak: 2 x 128 against one GPU's 128; strong: 2 x 64 against one GPU's 128
             rec["speedup"] = 2 * batch / rec["ddp_ms"] / (128 / best)
-            rows.append(rec)
-            with open(out_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            print(f"{where}@{batch}: {rec['ddp_ms']:.2f} ms "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            keep(rec, rows, out_path, f"{where}@{batch}", t0)
 
 print(f"\nbest one GPU at 128: {best:.2f} ms")
 print(f"{'copy on':<10}{'batch/GPU':>10}{'round':>6}{'step ms':>9}{'no_sync':>9}{'speed-up':>9}")

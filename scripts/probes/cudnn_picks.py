@@ -50,6 +50,21 @@ def two_gpus(batch: int, cudnn: str,
     return {**result.metrics[0], "gpu": "0+1"}
 
 
+def pair(batch: int, cudnn: str) -> list[dict]:
+    """The one-GPU step started on both GPUs at once: two runs, two independent picks."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(single, (0, 1), (batch, batch), (cudnn, cudnn)))
+
+
+def keep(rec: dict, rows: list[dict], out_path: Path, label: str, t0: float) -> None:
+    """Add ``rec`` to ``rows`` and to the JSON lines at ``out_path``; print its step time."""
+    rows.append(rec)
+    with open(out_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print(f"{label}: {rec['ddp_ms']:.2f} ms (no_sync {rec['no_sync_ms']:.2f}) "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
 def main() -> None:
     out_path = Path(sys.argv[1])
     budget_s = float(sys.argv[2]) if len(sys.argv) > 2 else 480
@@ -63,22 +78,12 @@ def main() -> None:
             print(f"{job}: not started, budget spent", flush=True)
             continue
         try:
-            if kind == "pair":
-                with ThreadPoolExecutor(2) as pool:
-                    futures = [pool.submit(single, gpu, int(batch), cudnn) for gpu in (0, 1)]
-                recs = [f.result() for f in futures]
-            else:
-                recs = [two_gpus(int(batch), cudnn)]
+            recs = pair(int(batch), cudnn) if kind == "pair" else [two_gpus(int(batch), cudnn)]
         except Exception as err:  # one failed job must not lose the others
             print(f"{job}: failed: {str(err)[-300:]}", flush=True)
             continue
         for rec in recs:
-            rec["job"] = job
-            rows.append(rec)
-            with open(out_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            print(f"{job} gpu {rec['gpu']}: {rec['ddp_ms']:.2f} ms "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            keep({**rec, "job": job}, rows, out_path, f"{job} gpu {rec['gpu']}", t0)
 
     print(f"\n{'job':<26}{'gpu':>5}{'step ms':>9}{'no_sync':>9}")
     for r in rows:

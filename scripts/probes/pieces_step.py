@@ -9,7 +9,7 @@ instead of child by child (``compile_children``: 15 pieces for WRN-28-10):
 - ``children``: the package's way, for the A/B;
 - ``groups``: three pieces, the stem with the first group of blocks, the second group, the
   third group with the head (pieces start where a block halves the resolution);
-- ``groups4``: the same with the third group, which holds 4/5 of the parameters, cut in two.
+- ``groups4``: the same with the third group, which holds 3/4 of the parameters, cut in two.
 
 The layers are shared, not copied: the step's parameters, hooks and optimizer are the same.
 """
