@@ -8,6 +8,7 @@ import torch
 
 from tutorial_utils.launch import LaunchError, torchrun
 from tutorial_utils.multinode import launcher_command, simulate_nodes
+from tutorial_utils.trainer import CRASH_ENV
 
 TINY = ["--depth", "10", "--width", "1", "--batch", "64", "--data", "synthetic",
         "--device", "cpu", "--no-bf16"]
@@ -39,9 +40,9 @@ def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(tmp_path):
     # find the dead rank 0's address there and fail to connect (seen with torch 2.14).
     result = torchrun(
         "tutorial_utils.train",
-        [*TINY, "--epochs", "2", "--out", str(faulty), "--resume", "--crash-at-step", "90"],
+        [*TINY, "--epochs", "2", "--out", str(faulty), "--resume"],
         nproc=2, timeout_s=300, torchrun_args=("--standalone", "--max-restarts=1"),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", CRASH_ENV: "90"},
         metrics_file=faulty / "metrics.jsonl", echo=False,
     )
     assert "simulated crash at step 90" in result.output
@@ -55,14 +56,14 @@ def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(tmp_path):
 def test_without_restarts_the_crash_is_reported(tmp_path):
     with pytest.raises(LaunchError, match="rank 1 failed"):
         torchrun("tutorial_utils.train",
-                 [*TINY, "--epochs", "1", "--out", str(tmp_path), "--crash-at-step", "3"],
-                 nproc=2, timeout_s=300, echo=False)
+                 [*TINY, "--epochs", "1", "--out", str(tmp_path)],
+                 nproc=2, timeout_s=300, env={CRASH_ENV: "3"}, echo=False)
 
 
 def test_a_collective_one_rank_never_joins_times_out_clearly():
     t0 = time.monotonic()
     with pytest.raises(LaunchError) as err:
-        torchrun("tutorial_utils.parallel.hang_demo", ["--timeout", "5", "--device", "cpu"],
+        torchrun("tutorial_utils.workers.hang_demo", ["--timeout", "5", "--device", "cpu"],
                  nproc=2, timeout_s=120, echo=False)
     assert time.monotonic() - t0 < 60
     assert str(err.value).startswith("rank 0 failed: RuntimeError:")
@@ -71,7 +72,7 @@ def test_a_collective_one_rank_never_joins_times_out_clearly():
 
 def test_fsdp_trains_like_ddp_with_half_the_state_per_rank(tmp_path):
     out = tmp_path / "fsdp.jsonl"
-    result = torchrun("tutorial_utils.parallel.fsdp",
+    result = torchrun("tutorial_utils.workers.fsdp_step",
                       ["--model", "wrn-10-1", "--batch", "8", "--device", "cpu", "--out", str(out)],
                       nproc=2, timeout_s=120, metrics_file=out, echo=False)
     ddp, fsdp = result.metrics
@@ -96,7 +97,7 @@ def test_two_node_nccl_run_one_gpu_per_node(tmp_path):
 @pytest.mark.multigpu
 def test_fsdp_on_gpus_holds_half_the_state(tmp_path):
     out = tmp_path / "fsdp.jsonl"
-    result = torchrun("tutorial_utils.parallel.fsdp",
+    result = torchrun("tutorial_utils.workers.fsdp_step",
                       ["--model", "wrn-16-4", "--batch", "64", "--device", "cuda", "--repeats", "5",
                        "--out", str(out)], nproc=2, timeout_s=300, metrics_file=out, echo=False)
     ddp, fsdp = result.metrics

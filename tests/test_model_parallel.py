@@ -99,7 +99,7 @@ def test_torch_pipelining_stages_match_one_process(tmp_path, schedule):
     from tutorial_utils.launch import torchrun
 
     out = tmp_path / "pipe.jsonl"
-    result = torchrun("tutorial_utils.parallel.pipeline_stage",
+    result = torchrun("tutorial_utils.workers.pipeline_stage",
                       ["--check", "--device", "cpu", "--schedule", schedule, "--out", str(out)],
                       nproc=2, timeout_s=120, metrics_file=out, echo=False)
     (row,) = result.metrics
@@ -123,7 +123,7 @@ def test_torch_pipelining_on_two_gpus(tmp_path):
     from tutorial_utils.launch import torchrun
 
     out = tmp_path / "pipe.jsonl"
-    result = torchrun("tutorial_utils.parallel.pipeline_stage",
+    result = torchrun("tutorial_utils.workers.pipeline_stage",
                       ["--check", "--device", "cuda", "--schedule", "1f1b", "--out", str(out)],
                       nproc=2, timeout_s=300, metrics_file=out, echo=False)
     (row,) = result.metrics

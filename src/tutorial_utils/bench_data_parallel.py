@@ -12,21 +12,15 @@ a ring all-reduce at the measured bus bandwidth.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import tempfile
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from .devices import gpu_count
-from .launch import torchrun
-from .models import wide_resnet
-from .parallel.data_parallel import make_data_parallel, ring_all_reduce_seconds
-from .speed import LADDER, LadderSize, TrainStep, measure_rung
-from .timing import benchmark
+from .parallel.ddp import ring_all_reduce_seconds
+from .workload import LADDER, LadderSize, measure_rung, time_data_parallel, time_ddp
 
 
 @dataclass
@@ -39,66 +33,14 @@ class Row:
     note: str = ""
 
 
-@contextlib.contextmanager
-def cudnn_autotuning(enabled: bool = True) -> Iterator[None]:
-    """Let cuDNN time its algorithms for each new shape (``cudnn.benchmark``), then restore.
-
-    Every run that is compared here uses it — one GPU and the DDP workers alike — except the
-    ``DataParallel`` run that shows what it costs there.
-    """
-    old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = old
-
-
-def measure_single(rung, size: LadderSize, device: torch.device):
-    """:func:`~tutorial_utils.speed.measure_rung` with cuDNN autotuning, like the DDP workers."""
-    with cudnn_autotuning():
-        return measure_rung(rung, size, device)
-
-
-def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> float:
-    """Median step time (ms) of ``nn.DataParallel`` over ``n_gpus`` at ``size.batch`` per GPU.
-
-    With autotuning on, a step can take many times longer, so fewer repeats are timed.
-    """
-    with cudnn_autotuning(cudnn_benchmark):
-        torch.manual_seed(0)
-        net = wide_resnet(size.model).to(memory_format=torch.channels_last)
-        model = make_data_parallel(net, n_gpus)
-        dev = torch.device("cuda:0")
-        x = torch.randn(size.batch * n_gpus, 3, 32, 32, device=dev)
-        y = torch.randint(0, 10, (size.batch * n_gpus,), device=dev)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-        step = TrainStep(model, model, opt, x.to(memory_format=torch.channels_last), y, bf16=True)
-        warmup, repeats = (1, 5) if cudnn_benchmark else (size.warmup, size.repeats)
-        return benchmark(step, warmup=warmup, repeats=repeats, device=dev).median_ms
-
-
-def time_ddp(size: LadderSize, n: int, device: str, compile_mode: str = "none",
-             timeout_s: float = 900) -> dict:
-    """The record of :mod:`~tutorial_utils.parallel.step_timing` run in ``n`` processes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ddp.jsonl"
-        args = ["--model", size.model, "--batch", str(size.batch), "--warmup", str(size.warmup),
-                "--repeats", str(size.repeats), "--device", device, "--compile", compile_mode,
-                "--out", str(out)]
-        result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n,
-                          timeout_s=timeout_s, metrics_file=out, echo=False)
-    return result.metrics[0]
-
-
 def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], dict]:
     """All measurements; returns the table rows and the record of the fastest DDP run, with
     the prediction of chapter 4's model for it."""
     on_gpu = gpu_count() >= 1
     dev = torch.device("cuda:0" if on_gpu else "cpu")
-    singles = [measure_single(LADDER[3], size, dev)]
+    singles = [measure_rung(LADDER[3], size, dev)]
     if graphs and on_gpu:
-        singles.append(measure_single(LADDER[-1], size, dev))
+        singles.append(measure_rung(LADDER[-1], size, dev))
     rows = [Row(f"1 GPU, {r.rung.name.lstrip('+ ')}" if on_gpu else f"CPU, {r.rung.name}", 1,
                 r.timing.median_ms) for r in singles]
     if gpu_count() >= n_gpus >= 2:

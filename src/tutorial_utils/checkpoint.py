@@ -46,7 +46,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(path: Path, expect: dict[str, Any], required=()) -> dict[str, Any]:
     """Load ``path``; ``expect`` holds settings the checkpoint must match (e.g. depth, width)."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
@@ -63,3 +63,24 @@ def load_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
             f"{path} was written with {diff}; use the same settings or another --out"
         )
     return state
+
+
+def gather_rng_states(ctx) -> list[dict[str, Any]] | None:  # interim; replaced by the fix
+    import torch.distributed as dist
+
+    mine = rng_state(ctx.device)
+    if not ctx.is_distributed:
+        return [mine]
+    states = [None] * ctx.world_size
+    dist.all_gather_object(states, mine)
+    return states
+
+
+def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    return saved[rank]
+
+
+def check_world_size(state: dict[str, Any], world_size: int) -> None:
+    if state["world_size"] != world_size:
+        raise CheckpointError(f"checkpoint.pt was written by {state['world_size']} processes, "
+                              f"this run has {world_size}")

@@ -54,3 +54,18 @@ def parse(cls: type, argv: list[str] | None, prog: str, description: str):
 def to_dict(cfg: Any) -> dict[str, Any]:
     """JSON- and checkpoint-safe: paths become strings."""
     return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()}
+
+
+def to_argv(cfg: Any) -> list[str]:
+    """Command-line options that rebuild ``cfg``: one per field that differs from its default."""
+    argv: list[str] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if value == f.default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(name if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            argv += [name, str(value)]
+    return argv

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tutorial_utils.graphs import StepGraph
 from tutorial_utils.parallel.distributed import distributed
+from tutorial_utils.step_graph import StepGraph
 
 with distributed("cuda") as ctx:
     dev = ctx.device

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from tutorial_utils.bench_data_parallel import measure_single
-from tutorial_utils.speed import LADDER, LadderSize
+from tutorial_utils.bench_one_gpu import LADDER, LadderSize
 
 for batch in map(int, sys.argv[1:]):
     for rung in (LADDER[3], LADDER[-1]):

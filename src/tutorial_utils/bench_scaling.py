@@ -1,52 +1,42 @@
 """The scaling benchmark of chapter 5: a Wide-ResNet on one GPU and on N with DDP.
 
-    python -m tutorial_utils.bench --gpus 2 4 --json runs/bench.json
+    python -m tutorial_utils.bench_scaling --gpus 2 4 --json runs/bench.json
 
 Strong scaling keeps the global batch (the Torch7 post split its 128 across the GPUs); weak
 scaling keeps the per-GPU batch. Each regime is measured in three modes: eager, with CUDA graphs
 of the network (``torch.compile(mode="reduce-overhead")``) and with the whole step as one CUDA
-graph ("step graph": :class:`~tutorial_utils.graphs.StepGraph` around a step compiled with
+graph ("step graph": :class:`~tutorial_utils.step_graph.StepGraph` around a step compiled with
 ``torch.compile``'s default mode, all-reduces and optimizer included, SGD fused as in
 ``train.py``), with DataParallel for comparison, and every speed-up is a ratio against the best
 single-GPU run of the same invocation at the same global (strong) or per-GPU (weak) batch. The
 prediction uses chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring
 all-reduce at the bus bandwidth measured in the same run.
-
-With the step graph on GPUs, each regime also gets a "copy engine" run: DDP replaced by the
-hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets` with its copy-engine
-transport, gradients sent in bfloat16 and averaged inside the update by
-:class:`~tutorial_utils.parallel.grad_buckets.AveragingSGD` (chapter 5b says why).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from .bench_data_parallel import measure_single, time_data_parallel, time_ddp
 from .devices import NotEnoughGPUsError, gpu_count, require_gpus
-from .launch import torchrun
-from .parallel.data_parallel import ring_all_reduce_seconds
-from .speed import LADDER, LadderSize
+from .parallel.ddp import ring_all_reduce_seconds
+from .workload import LADDER, LadderSize, measure_rung, time_data_parallel, time_ddp
 
 TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
-STEP_GRAPH = "step graph"  # measured by parallel.step_timing in 1 or N processes alike
+STEP_GRAPH = "step graph"  # measured by workers.step_timing in 1 or N processes alike
 GPU_ONLY_MODES = ("CUDA graphs", STEP_GRAPH)
-COPY_ENGINE = "copy engine"  # the method of the runs below
-COPY_ENGINE_FLAGS = ("--grad-sync", "copy-engine", "--optimizer", "averaging", "--bf16-grads")
 
 
 @dataclass
 class Run:
     regime: str  # "single", "strong" or "weak"
-    method: str  # "1 GPU", "DDP", "DataParallel" or COPY_ENGINE
+    method: str  # "1 GPU", "DDP" or "DataParallel"
     mode: str  # "eager", "CUDA graphs" or "step graph"
     gpus: int
     per_gpu_batch: int
@@ -64,29 +54,15 @@ class Run:
         return TRAIN_IMAGES / self.images_per_s
 
 
-def time_step_graph(model: str, batch: int, n: int, repeats: int, device: str,
-                    flags: Sequence[str] = ()) -> dict:
-    """The record of :mod:`~tutorial_utils.parallel.step_timing` with the whole step captured,
-    in ``n`` processes (one process: no DDP, the single-GPU reference), plus ``flags``."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "step.jsonl"
-        args = ["--model", model, "--batch", str(batch), "--warmup", "5", "--repeats",
-                str(repeats), "--device", device, "--compile", "default", "--capture",
-                "--optimizer", "fused", "--out", str(out), *flags]
-        result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=n, timeout_s=900,
-                          metrics_file=out, echo=False)
-    return result.metrics[0]
-
-
 def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
     if mode == STEP_GRAPH:
-        rec = time_step_graph(model, batch, 1, repeats, device)
+        rec = time_ddp(LadderSize(model, batch, 5, repeats), 1, device, "default", capture=True)
         return Run("single", "1 GPU", mode, 1, batch, rec["ddp_ms"])
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     # A fresh compilation per batch size: otherwise the second size recompiles the network
     # with a symbolic batch dimension, which is slower than either specialised graph.
     torch.compiler.reset()
-    result = measure_single(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
+    result = measure_rung(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
     if result.timing is None:
         raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
     return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
@@ -94,11 +70,12 @@ def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
 
 def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str,
             device: str) -> Run:
+    size = LadderSize(model, per_gpu, 5, repeats)
     if mode == STEP_GRAPH:
-        rec = time_step_graph(model, per_gpu, n, repeats, device)
+        rec = time_ddp(size, n, device, "default", capture=True)
     else:
         compile_mode = MODES[mode].compile_mode or "none"  # the same step as the single GPU's
-        rec = time_ddp(LadderSize(model, per_gpu, 5, repeats), n, device, compile_mode)
+        rec = time_ddp(size, n, device, compile_mode)
     ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
     return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
                predicted_ms=rec["no_sync_ms"] + ring_ms)
@@ -106,8 +83,7 @@ def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: s
 
 def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int = 128,
         per_gpu_batch: int = 128, modes: tuple[str, ...] = ("eager", "CUDA graphs"),
-        repeats: int = 20, data_parallel: bool = True, device: str | None = None,
-        copy_engine: bool = True) -> list[Run]:
+        repeats: int = 20, data_parallel: bool = True, device: str | None = None) -> list[Run]:
     """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups.
 
     ``device`` "cpu" makes the "GPUs" CPU processes (the default without GPUs); on "cuda"
@@ -132,9 +108,6 @@ def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int 
                 size = LadderSize(model, per_gpu, 5, repeats)
                 ms = time_data_parallel(size, n, cudnn_benchmark=False)
                 runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
-            if copy_engine and device == "cuda" and STEP_GRAPH in modes:
-                rec = time_step_graph(model, per_gpu, n, repeats, device, COPY_ENGINE_FLAGS)
-                runs.append(Run(regime, COPY_ENGINE, STEP_GRAPH, n, per_gpu, rec["ddp_ms"]))
     for r in (r for r in runs if r.regime != "single"):
         reference = global_batch if r.regime == "strong" else per_gpu_batch
         best = min(s.step_ms for s in runs if s.regime == "single" and s.per_gpu_batch == reference)
@@ -153,6 +126,37 @@ def best_run(runs: list[Run], regime: str, method: str = "DDP", mode: str | None
              and mode in (None, r.mode) and gpus in (None, r.gpus)
              and batch in (None, r.per_gpu_batch)]
     return max(found, key=lambda r: r.per_gpu_batch * r.gpus / r.step_ms, default=None)
+
+
+def summary(runs: list[Run], global_batch: int) -> dict[str, float | str | int]:
+    """Flat summary for the chapter's prose: single-GPU steps, then each regime's speed-ups."""
+    nan = float("nan")
+    out: dict[str, float | str | int] = {}
+    for name, batch in (("ref", global_batch), ("half", global_batch // 2)):
+        eager = best_run(runs, "single", "1 GPU", "eager", batch=batch)
+        out[f"batch_{name}"] = batch
+        out[f"eager_{name}_ms"] = eager.step_ms
+        for mode, key in (("CUDA graphs", "graphs"), (STEP_GRAPH, "whole")):
+            r = best_run(runs, "single", "1 GPU", mode, batch=batch)
+            out[f"{key}_{name}_ms"] = r.step_ms if r else nan
+            gain = "graph_gain" if key == "graphs" else "whole_gain"
+            out[f"{gain}_{name}"] = eager.step_ms / r.step_ms if r else nan
+    multi = sorted({r.gpus for r in runs if r.regime != "single"})
+    for tag, n in (("2", multi[0]), ("max", multi[-1])):
+        for regime in ("strong", "weak"):
+            best = best_run(runs, regime, gpus=n)
+            dp = best_run(runs, regime, "DataParallel", gpus=n)
+            out |= {f"{regime}_{tag}_x": best.speedup, f"{regime}_{tag}_mode": best.mode,
+                    f"{regime}_{tag}_pred": best.predicted,
+                    f"{regime}_{tag}_dp": dp.speedup if dp else nan}
+            for mode, key in (("eager", "eager"), ("CUDA graphs", "graphs"), (STEP_GRAPH, "whole")):
+                r = best_run(runs, regime, mode=mode, gpus=n)
+                out[f"{regime}_{tag}_{key}_x"] = r.speedup if r else nan
+                out[f"{regime}_{tag}_{key}_pred"] = r.predicted if r else nan
+                out[f"{regime}_{tag}_{key}_ms"] = r.step_ms if r else nan
+    out["bench_n_max"] = multi[-1]
+    out["strong_max_per_gpu"] = global_batch // multi[-1]
+    return out
 
 
 def table(runs: list[Run]) -> str:
@@ -209,8 +213,6 @@ def main(argv: list[str] | None = None) -> None:
                         default=[*MODES, STEP_GRAPH])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--no-data-parallel", action="store_true", help="skip nn.DataParallel")
-    parser.add_argument("--no-copy-engine", action="store_true",
-                        help="skip the copy-engine runs (GradBuckets + AveragingSGD)")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args(argv)
     modes = tuple(args.modes)
@@ -219,8 +221,7 @@ def main(argv: list[str] | None = None) -> None:
         modes = tuple(m for m in modes if m not in GPU_ONLY_MODES) or ("eager",)
     try:
         runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes,
-                   args.repeats, data_parallel=not args.no_data_parallel,
-                   copy_engine=not args.no_copy_engine)
+                   args.repeats, data_parallel=not args.no_data_parallel)
     except (ValueError, NotEnoughGPUsError) as err:
         parser.error(str(err))
     print(table(runs))

@@ -1,6 +1,6 @@
 """Run under torchrun: the production route to pipelining, one stage per process.
 
-    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.parallel.pipeline_stage \\
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.workers.pipeline_stage \\
         --model wrn-28-10 --batch 256 --micro-batches 8 --schedule 1f1b --out pipe.jsonl
 
 Every process builds the same model, keeps its own consecutive slice of layers as a
@@ -24,10 +24,10 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..models import wide_resnet
+from ..parallel.distributed import distributed
+from ..parallel.model_parallel import balanced_boundaries, forward_flops
 from ..timing import benchmark
-from .distributed import distributed
 from .equivalence import small_net
-from .model_parallel import balanced_boundaries, forward_flops
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

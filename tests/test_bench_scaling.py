@@ -3,7 +3,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from tutorial_utils.bench import best_run, plot, run, table  # noqa: E402
+from tutorial_utils.bench_scaling import best_run, plot, run, table  # noqa: E402
 from tutorial_utils.devices import gpu_count  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def test_single_gpu_reference_is_autotuned_like_the_ddp_workers(monkeypatch):
     import torch
 
     from tutorial_utils import bench_data_parallel
-    from tutorial_utils.speed import LADDER, LadderSize
+    from tutorial_utils.bench_one_gpu import LADDER, LadderSize
 
     seen = []
     monkeypatch.setattr(bench_data_parallel, "measure_rung",

@@ -1,6 +1,6 @@
 """Run under torchrun: a collective that one rank never joins fails after the timeout.
 
-    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.parallel.hang_demo --timeout 10
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.workers.hang_demo --timeout 10
 
 All ranks first complete one all-reduce, as a job does in its first steps. Then rank 0 enters
 a second all-reduce that the last rank, standing for a rank stuck elsewhere (a data loader, a
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .distributed import distributed
+from ..parallel.distributed import distributed
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,7 @@
 
     python scripts/probes/trace_breakdown.py STEPS TRACE.json[.gz] [TRACE ...]
 
-Reads Chrome traces written by ``python -m tutorial_utils.parallel.step_timing --trace``
+Reads Chrome traces written by ``python -m lab.step_timing --trace``
 (``STEPS`` profiled steps each, 5 there) and prints per step: the period (first GPU event to
 last, divided by ``STEPS``); the GPU time of all kernels that are not communication, summed
 (forward, backward, optimizer, DDP's bucket copies); the GPU time of communication (NCCL's

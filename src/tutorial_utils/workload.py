@@ -1,23 +1,27 @@
-"""Chapter 2's measurements: host-to-GPU copies and the single-GPU speed ladder.
+"""What the benchmarks time: one training step of a Wide-ResNet on a fixed batch.
 
-The ladder times one full training step (forward, loss, backward, SGD update) of a
-Wide-ResNet, adding one optimisation per rung: TF32 matmuls/convs, bf16 autocast,
-channels_last memory format, torch.compile, and CUDA graphs. Each rung also records how long
-the host takes just to *queue* a step: when that approaches the step time, the GPU is waiting
-for Python and only fewer launches (fusion, CUDA graphs) make it faster.
+Chapter 2's ladder, chapter 4's DataParallel/DDP comparison and chapter 5b's scaling benchmark
+all time the same step (forward, loss, backward, SGD update), so they build it here:
+:func:`make_train_step` in this process for each :class:`Rung` of optimisations,
+:func:`time_data_parallel` with ``nn.DataParallel``, and :func:`time_ddp` in N processes under
+torchrun (:mod:`tutorial_utils.workers.step_timing`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .launch import torchrun
 from .models import wide_resnet
+from .parallel.data_parallel import make_data_parallel
 from .timing import Timing, benchmark, cold_call_ms, host_clock_without_sync, synchronize
 
 
@@ -131,7 +135,8 @@ def measure_rung(rung: Rung, size: LadderSize, device: torch.device) -> RungResu
     reason = skip_reason(rung, device)
     if reason:
         return RungResult(rung, None, size.batch, skipped=reason)
-    with tf32_enabled(rung.tf32):
+    # cuDNN autotuning on: the shapes never change (every benchmark times it that way)
+    with tf32_enabled(rung.tf32), cudnn_autotuning():
         step = make_train_step(rung, size, device)
         first = cold_call_ms(step, device)  # includes cuDNN autotuning and any compilation
         timing = benchmark(step, warmup=size.warmup, repeats=size.repeats, device=device)
@@ -140,73 +145,48 @@ def measure_rung(rung: Rung, size: LadderSize, device: torch.device) -> RungResu
     return RungResult(rung, timing, size.batch, first_step_ms=first, host_ms=host.median_ms)
 
 
-def measure_ladder(
-    size: LadderSize, device: torch.device, rungs: tuple[Rung, ...] = LADDER
-) -> list[RungResult]:
-    """Measure every rung in order; cuDNN autotuning is on (the shapes never change)."""
-    old_benchmark = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
+@contextlib.contextmanager
+def cudnn_autotuning(enabled: bool = True) -> Iterator[None]:
+    """Let cuDNN time its algorithms for each new shape (``cudnn.benchmark``), then restore."""
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
     try:
-        return [measure_rung(r, size, device) for r in rungs]
+        yield
     finally:
-        torch.backends.cudnn.benchmark = old_benchmark
+        torch.backends.cudnn.benchmark = old
 
 
-def host_to_device_gbps(
-    nbytes: int, device: torch.device, pinned: bool, repeats: int = 10
-) -> float | None:
-    """Copy bandwidth from host memory to ``device`` in GB/s (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-    timing = benchmark(
-        lambda: host.to(device, non_blocking=pinned), warmup=2, repeats=repeats, device=device
-    )
-    return nbytes / timing.median_ms / 1e6
+def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> float:
+    """Median step time (ms) of ``nn.DataParallel`` over ``n_gpus`` at ``size.batch`` per GPU.
+
+    With autotuning on, a step can take many times longer, so fewer repeats are timed.
+    """
+    with cudnn_autotuning(cudnn_benchmark):
+        torch.manual_seed(0)
+        net = wide_resnet(size.model).to(memory_format=torch.channels_last)
+        model = make_data_parallel(net, n_gpus)
+        dev = torch.device("cuda:0")
+        x = torch.randn(size.batch * n_gpus, 3, 32, 32, device=dev)
+        y = torch.randint(0, 10, (size.batch * n_gpus,), device=dev)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+        step = TrainStep(model, model, opt, x.to(memory_format=torch.channels_last), y, bf16=True)
+        warmup, repeats = (1, 5) if cudnn_benchmark else (size.warmup, size.repeats)
+        return benchmark(step, warmup=warmup, repeats=repeats, device=dev).median_ms
 
 
+def time_ddp(size: LadderSize, n: int, device: str, compile_mode: str = "none",
+             capture: bool = False, timeout_s: float = 900) -> dict:
+    """The record of :mod:`~tutorial_utils.workers.step_timing` run in ``n`` processes.
 
-def ladder_table(results: list[RungResult]) -> str:
-    """Rung, median step time and spread, host queueing time, images/s, speed-up over rung 1."""
-    base = results[0].timing.median_ms if results[0].timing else None
-    header = f"{'rung':<18}{'step (ms)':>11}{'IQR':>7}{'queue (ms)':>12}{'images/s':>10}"
-    lines = [header + f"{'speed-up':>10}"]
-    for r in results:
-        if r.timing is None:
-            lines.append(f"{r.rung.name:<18}  skipped: {r.skipped}")
-            continue
-        speedup = f"{base / r.timing.median_ms:.2f}x" if base else "-"
-        lines.append(
-            f"{r.rung.name:<18}{r.timing.median_ms:>11.2f}{r.timing.spread:>7.1%}"
-            f"{r.host_ms:>12.2f}{r.images_per_s:>10.0f}{speedup:>10}"
-        )
-    return "\n".join(lines)
-
-
-def plot_ladder(results: list[RungResult], title: str):
-    """Bar chart of images/s per rung, each bar labelled with its speed-up over the first."""
-    import matplotlib.pyplot as plt
-
-    measured = [r for r in results if r.timing is not None]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    names = [r.rung.name for r in measured]
-    rates = [r.images_per_s for r in measured]
-    bars = ax.bar(names, rates, color="#4c72b0")
-    for bar, rate in zip(bars, rates, strict=True):
-        ax.annotate(f"{rate / rates[0]:.2f}x", (bar.get_x() + bar.get_width() / 2, rate),
-                    ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("training images / s")
-    ax.set_title(title, fontsize=10)
-    ax.margins(y=0.15)
-    fig.tight_layout()
-    return fig
-
-
-def step_tflop(size: LadderSize, device: torch.device) -> float:
-    """Floating-point operations of one training step (forward + backward), in TFLOP."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    step = make_train_step(LADDER[0], size, device)
-    with FlopCounterMode(display=False) as counter:
-        step()
-    return counter.get_total_flops() / 1e12
+    ``capture`` records the whole step as one CUDA graph, with fused SGD as in ``train.py``.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "ddp.jsonl"
+        args = ["--model", size.model, "--batch", str(size.batch), "--warmup", str(size.warmup),
+                "--repeats", str(size.repeats), "--device", device, "--compile", compile_mode,
+                "--out", str(out)]
+        if capture:
+            args += ["--capture", "--optimizer", "fused"]
+        result = torchrun("tutorial_utils.workers.step_timing", args, nproc=n,
+                          timeout_s=timeout_s, metrics_file=out, echo=False)
+    return result.metrics[0]

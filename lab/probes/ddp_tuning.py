@@ -2,7 +2,7 @@
 
     python scripts/probes/ddp_tuning.py OUT.jsonl [BUDGET_S [VARIANT@BATCH ...]]
 
-Runs ``python -m tutorial_utils.parallel.step_timing --capture --compile default`` on one GPU
+Runs ``python -m lab.step_timing --capture --compile default`` on one GPU
 (the reference) and on two under each variant below — DDP's bucket size, gradients as bucket
 views, a bf16 all-reduce, NCCL's multiprocessor limit ``NCCL_MAX_CTAS`` and its protocol
 ``NCCL_PROTO`` — at 128 images per GPU (weak scaling) and, for some, 64 (the post's batch of
@@ -50,7 +50,7 @@ def step_timing(nproc: int, batch: int, flags: list[str], env: dict) -> dict:
         out = Path(tmp) / "st.jsonl"
         args = ["--model", "wrn-28-10", "--batch", str(batch), "--compile", "default",
                 "--capture", "--device", "cuda", "--repeats", "30", "--out", str(out), *flags]
-        result = torchrun("tutorial_utils.parallel.step_timing", args, nproc=nproc,
+        result = torchrun("lab.step_timing", args, nproc=nproc,
                           timeout_s=300, metrics_file=out, echo=False,
                           env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,TUNING", **env})
     channels = [line for line in result.output.splitlines() if "channels" in line.lower()]

@@ -61,8 +61,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .data_parallel import broadcast_parameters
-from .distributed import DistContext
+from tutorial_utils.parallel.ddp import broadcast_parameters
+from tutorial_utils.parallel.distributed import DistContext
 
 
 @dataclass

@@ -13,9 +13,9 @@ copies compiled by torch.compile), against one contiguous copy of as many elemen
 import sys
 
 import torch
+from lab.grad_buckets import _groups, _span, _views
 
 from tutorial_utils.models import wide_resnet
-from tutorial_utils.parallel.grad_buckets import _groups, _span, _views
 
 LARGE = 1 << 18  # elements: above this a tensor's own copy kernel runs near full bandwidth
 

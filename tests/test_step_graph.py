@@ -6,9 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorial_utils.graphs import StepGraph
-from tutorial_utils.launch import LaunchError, torchrun
-from tutorial_utils.parallel import step_timing
+from tutorial_utils.launch import torchrun
+from tutorial_utils.step_graph import StepGraph
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -96,48 +95,12 @@ def test_ddp_all_reduces_run_inside_the_replayed_graph():
     assert "graph_ddp ok" in result.output
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.multigpu)])
-def test_grad_buckets_train_like_ddp_and_refuse_unused_parameters(device):
-    # on GPUs the GradBuckets steps are replayed from one CUDA graph
-    result = torchrun(str(WORKERS / "grad_buckets.py"), [device], nproc=2, timeout_s=300,
-                      echo=False)
-    assert "grad_buckets ok" in result.output
-
-
-def test_step_timing_times_grad_buckets_and_refuses_ddp_settings_with_them(tmp_path, capsys):
-    out = tmp_path / "st.jsonl"
-    args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
-            "--device", "cpu", "--capture", "--grad-sync", "buckets", "--bucket-mb", "0.01",
-            "--out", str(out)]
-    torchrun("tutorial_utils.parallel.step_timing", args, nproc=2, timeout_s=300, echo=False)
-    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert record["grad_sync"] == "buckets" and record["world_size"] == 2
-    assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0
-    with pytest.raises(LaunchError) as err:
-        torchrun("tutorial_utils.parallel.step_timing", [*args, "--bucket-view"], nproc=1,
-                 timeout_s=120, echo=False)
-    assert "--bucket-view is a DDP setting" in err.value.output
-    with pytest.raises(SystemExit):  # refused before any process group or network
-        step_timing.main([*args, "--optimizer", "averaging"])
-    assert "add --grad-sync copy-engine" in capsys.readouterr().err
-
-
 def test_step_timing_records_a_captured_run(tmp_path):
     out = tmp_path / "st.jsonl"
     args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
-            "--device", "cpu", "--capture", "--cudnn", "heuristics", "--out", str(out),
-            "--trace", str(tmp_path / "t.json")]
-    torchrun("tutorial_utils.parallel.step_timing", args, nproc=2, timeout_s=300, echo=False)
+            "--device", "cpu", "--capture", "--out", str(out), "--trace", str(tmp_path / "t.json")]
+    torchrun("tutorial_utils.workers.step_timing", args, nproc=2, timeout_s=300, echo=False)
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert record["capture"] and record["world_size"] == 2 and record["cudnn"] == "heuristics"
+    assert record["capture"] and record["world_size"] == 2
     assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0 and record["host_ms"] > 0
     assert (tmp_path / "t.json").stat().st_size > 0
-
-
-def test_step_timing_refuses_kernel_tuning_without_compilation(capsys, tmp_path):
-    from tutorial_utils.parallel import step_timing
-
-    with pytest.raises(SystemExit):
-        step_timing.main(["--tune-kernels", "--device", "cpu", "--out", str(tmp_path / "x")])
-    assert "--tune-kernels tunes the kernels torch.compile generates" in capsys.readouterr().err
-    assert not (tmp_path / "x").exists()

@@ -2,7 +2,7 @@
 
     python scripts/probes/compile_modes.py OUT.jsonl [BUDGET_S [VARIANT ...]]
 
-Each variant is ``python -m tutorial_utils.parallel.step_timing`` in one process (no DDP) at 64
+Each variant is ``python -m lab.step_timing`` in one process (no DDP) at 64
 and 128 images: eager, and the whole step as one CUDA graph (``--capture``) with the network
 compiled — the step graph of chapter 5b — with SGD as a few multi-tensor kernels (foreach) or
 one pass per tensor (fused), and with Inductor's tuning of its own kernels (coordinate descent
@@ -39,7 +39,7 @@ VARIANTS = {
 def step_timing(gpu: int, batch: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"
-        cmd = [sys.executable, "-m", "tutorial_utils.parallel.step_timing", "--model",
+        cmd = [sys.executable, "-m", "lab.step_timing", "--model",
                "wrn-28-10", "--batch", str(batch), "--device", "cuda", "--repeats", "30",
                "--out", str(out), *flags]
         run_env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}

@@ -5,7 +5,7 @@
 GradBuckets runs with either transport: all-reduces (``buckets*``) or copy-engine pulls
 (``copy-engine*``).
 
-Every run is ``python -m tutorial_utils.parallel.step_timing --capture --compile default
+Every run is ``python -m lab.step_timing --capture --compile default
 --optimizer fused`` (chapter 5b's step graph, SGD as in ``train``) plus the variant's flags.
 The one-GPU references run first, side by side (one per GPU): the network compiled whole (as
 in chapter 5b) and compiled child by child (as GradBuckets needs it), at 64 and 128 images.
@@ -48,7 +48,7 @@ VARIANTS = {
 def single(gpu: int, batch: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"
-        cmd = [sys.executable, "-m", "tutorial_utils.parallel.step_timing", *BASE, "--batch",
+        cmd = [sys.executable, "-m", "lab.step_timing", *BASE, "--batch",
                str(batch), "--out", str(out), *flags]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -60,7 +60,7 @@ def single(gpu: int, batch: int, flags: list[str]) -> dict:
 def two_gpus(batch: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"
-        result = torchrun("tutorial_utils.parallel.step_timing",
+        result = torchrun("lab.step_timing",
                           [*BASE, "--batch", str(batch), "--out", str(out), *flags], nproc=2,
                           timeout_s=300, metrics_file=out, echo=False)
     return result.metrics[0]

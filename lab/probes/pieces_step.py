@@ -2,7 +2,7 @@
 
     PIECES=groups torchrun --standalone --nproc_per_node=2 scripts/probes/pieces_step.py ARGS
 
-The same as ``python -m tutorial_utils.parallel.step_timing ARGS``, except that for
+The same as ``python -m lab.step_timing ARGS``, except that for
 ``--grad-sync buckets/copy-engine`` the Wide-ResNet is compiled in the pieces PIECES names
 instead of child by child (``compile_children``: 15 pieces for WRN-28-10):
 

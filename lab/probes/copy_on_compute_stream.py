@@ -2,15 +2,15 @@
 
     torchrun --standalone --nproc_per_node=2 scripts/probes/copy_on_compute_stream.py ARGS
 
-The same as ``python -m tutorial_utils.parallel.step_timing ARGS``, except that the copy-engine
+The same as ``python -m lab.step_timing ARGS``, except that the copy-engine
 transport gathers each bucket into this process's row on the compute stream, before handing
 over to its own stream (GradBuckets before d1593f4), for an A/B in one invocation.
 """
 
 import torch
+from lab.step_timing import main
 
 from tutorial_utils.parallel import grad_buckets
-from tutorial_utils.parallel.step_timing import main
 
 side_stream_start = grad_buckets._PeerCopies.start
 gather = grad_buckets._gather

@@ -1,6 +1,6 @@
 """Run under torchrun: time a DDP training step of a Wide-ResNet, with and without all-reduce.
 
-    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.parallel.step_timing \\
+    torchrun --standalone --nproc_per_node=2 -m lab.step_timing \\
         --model wrn-28-10 --batch 128 --out ddp.jsonl
 
 The same step is timed twice: plain DDP (gradients all-reduced in buckets during backward) and
@@ -10,17 +10,17 @@ all the gradients is measured too, for the ring model of chapter 4. ``host_ms`` 
 host takes to queue one DDP step: when it nears ``ddp_ms``, the GPU waits for Python.
 
 With ``--capture`` each timed step is one CUDA graph holding the whole step, all-reduces and
-optimizer included (:class:`~tutorial_utils.graphs.StepGraph`); combine it with ``--compile
+optimizer included (:class:`~tutorial_utils.step_graph.StepGraph`); combine it with ``--compile
 default`` for fused kernels without torch.compile's own graphs.
 
 ``--bucket-mb``, ``--bucket-view`` and ``--bf16-grads`` set how DDP buckets and all-reduces
-the gradients (:class:`~tutorial_utils.parallel.ddp_tuning.DDPTuning`). ``--grad-sync buckets``
-replaces DDP by the hand-built :class:`~tutorial_utils.parallel.grad_buckets.GradBuckets`
+the gradients (:class:`~lab.ddp_tuning.DDPTuning`). ``--grad-sync buckets``
+replaces DDP by the hand-built :class:`~lab.grad_buckets.GradBuckets`
 (bucketed all-reduces during backward with fewer kernels; a compiled network is then compiled
 child by child so that its gradients come out during backward); ``--bf16-grads`` applies to it
 too. ``--grad-sync copy-engine`` is GradBuckets with its copy-engine transport (GPUs only);
 add ``--optimizer averaging`` to leave the averaging to
-:class:`~tutorial_utils.parallel.grad_buckets.AveragingSGD`'s update.
+:class:`~lab.grad_buckets.AveragingSGD`'s update.
 
 ``--cudnn`` sets how cuDNN picks its convolution algorithms: each process times them once
 per shape by default, so two processes can keep different ones; ``heuristics`` gives every
@@ -41,13 +41,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..graphs import StepGraph
-from ..models import wide_resnet
-from ..timing import benchmark, host_clock_without_sync, synchronize
-from .data_parallel import compile_for_ddp, measure_bus_bandwidth
-from .ddp_tuning import DDPTuning
-from .distributed import DistContext, distributed
-from .grad_buckets import AveragingSGD, GradBuckets, compile_children
+from lab.ddp_tuning import DDPTuning
+from lab.grad_buckets import AveragingSGD, GradBuckets, compile_children
+from tutorial_utils.models import wide_resnet
+from tutorial_utils.parallel.ddp import compile_for_ddp, measure_bus_bandwidth
+from tutorial_utils.parallel.distributed import DistContext, distributed
+from tutorial_utils.step_graph import StepGraph
+from tutorial_utils.timing import benchmark, host_clock_without_sync, synchronize
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from tutorial_utils.bench import COPY_ENGINE_FLAGS
+from tutorial_utils.bench_scaling import COPY_ENGINE_FLAGS
 from tutorial_utils.launch import torchrun
 
 BASE = ["--model", "wrn-28-10", "--compile", "default", "--capture", "--optimizer", "fused",
@@ -29,7 +29,7 @@ BASE = ["--model", "wrn-28-10", "--compile", "default", "--capture", "--optimize
 def single(gpu: int, batch: int, cudnn: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"
-        cmd = [sys.executable, "-m", "tutorial_utils.parallel.step_timing", *BASE, "--batch",
+        cmd = [sys.executable, "-m", "lab.step_timing", *BASE, "--batch",
                str(batch), "--cudnn", cudnn, "--out", str(out)]
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -39,7 +39,7 @@ def single(gpu: int, batch: int, cudnn: str) -> dict:
 
 
 def two_gpus(batch: int, cudnn: str,
-             target: str = "tutorial_utils.parallel.step_timing") -> dict:
+             target: str = "lab.step_timing") -> dict:
     """The copy-engine step on 2 GPUs; ``target`` a module or script with step_timing's CLI."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "st.jsonl"

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
-from .data_parallel import ddp
-from .distributed import DistContext
+from tutorial_utils.parallel.ddp import ddp
+from tutorial_utils.parallel.distributed import DistContext
 
 
 @dataclass(frozen=True)

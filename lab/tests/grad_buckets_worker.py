@@ -18,12 +18,12 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from lab.grad_buckets import AveragingSGD, GradBuckets
 from torch import nn
 
-from tutorial_utils.graphs import StepGraph
 from tutorial_utils.parallel.data_parallel import ddp
 from tutorial_utils.parallel.distributed import distributed
-from tutorial_utils.parallel.grad_buckets import AveragingSGD, GradBuckets
+from tutorial_utils.step_graph import StepGraph
 
 SGD = dict(lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-3)
 

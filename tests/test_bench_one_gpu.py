@@ -1,6 +1,6 @@
 import torch
 
-from tutorial_utils.speed import (
+from tutorial_utils.bench_one_gpu import (
     LADDER,
     LadderSize,
     host_to_device_gbps,

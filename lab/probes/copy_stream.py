@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cudnn_picks import keep, pair, two_gpus  # this directory's probe: the same runs
 
-TARGETS = {"side": "tutorial_utils.parallel.step_timing",
+TARGETS = {"side": "lab.step_timing",
            "compute": str(Path(__file__).with_name("copy_on_compute_stream.py"))}
 
 

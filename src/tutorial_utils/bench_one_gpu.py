@@ -1,0 +1,111 @@
+"""Chapter 2's measurements: host-to-GPU copies and the single-GPU speed ladder.
+
+The ladder times one full training step (forward, loss, backward, SGD update) of a
+Wide-ResNet, adding one optimisation per rung: TF32 matmuls/convs, bf16 autocast,
+channels_last memory format, torch.compile, and CUDA graphs. Each rung also records how long
+the host takes just to *queue* a step: when that approaches the step time, the GPU is waiting
+for Python and only fewer launches (fusion, CUDA graphs) make it faster.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .timing import benchmark
+from .workload import LADDER, LadderSize, Rung, RungResult, make_train_step, measure_rung
+
+
+def measure_ladder(
+    size: LadderSize, device: torch.device, rungs: tuple[Rung, ...] = LADDER
+) -> list[RungResult]:
+    """Measure every rung in order (cuDNN autotuning on: the shapes never change)."""
+    return [measure_rung(r, size, device) for r in rungs]
+
+
+def host_to_device_gbps(
+    nbytes: int, device: torch.device, pinned: bool, repeats: int = 10
+) -> float | None:
+    """Copy bandwidth from host memory to ``device`` in GB/s (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    timing = benchmark(
+        lambda: host.to(device, non_blocking=pinned), warmup=2, repeats=repeats, device=device
+    )
+    return nbytes / timing.median_ms / 1e6
+
+
+
+def ladder_table(results: list[RungResult]) -> str:
+    """Rung, median step time and spread, host queueing time, images/s, speed-up over rung 1."""
+    base = results[0].timing.median_ms if results[0].timing else None
+    header = f"{'rung':<18}{'step (ms)':>11}{'IQR':>7}{'queue (ms)':>12}{'images/s':>10}"
+    lines = [header + f"{'speed-up':>10}"]
+    for r in results:
+        if r.timing is None:
+            lines.append(f"{r.rung.name:<18}  skipped: {r.skipped}")
+            continue
+        speedup = f"{base / r.timing.median_ms:.2f}x" if base else "-"
+        lines.append(
+            f"{r.rung.name:<18}{r.timing.median_ms:>11.2f}{r.timing.spread:>7.1%}"
+            f"{r.host_ms:>12.2f}{r.images_per_s:>10.0f}{speedup:>10}"
+        )
+    return "\n".join(lines)
+
+
+def plot_ladder(results: list[RungResult], title: str):
+    """Bar chart of images/s per rung, each bar labelled with its speed-up over the first."""
+    import matplotlib.pyplot as plt
+
+    measured = [r for r in results if r.timing is not None]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    names = [r.rung.name for r in measured]
+    rates = [r.images_per_s for r in measured]
+    bars = ax.bar(names, rates, color="#4c72b0")
+    for bar, rate in zip(bars, rates, strict=True):
+        ax.annotate(f"{rate / rates[0]:.2f}x", (bar.get_x() + bar.get_width() / 2, rate),
+                    ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("training images / s")
+    ax.set_title(title, fontsize=10)
+    ax.margins(y=0.15)
+    fig.tight_layout()
+    return fig
+
+
+def step_tflop(size: LadderSize, device: torch.device) -> float:
+    """Floating-point operations of one training step (forward + backward), in TFLOP."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step = make_train_step(LADDER[0], size, device)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops() / 1e12
+
+
+SLUGS = ("fp32", "tf32", "bf16", "cl", "compile", "graphs")  # glue names of LADDER's rungs
+
+
+def ladder_summary(results: list[RungResult], tflop: float) -> dict[str, float | str]:
+    """Flat summary of a measured ladder for the chapter's prose (NaN where skipped)."""
+    nan = float("nan")
+    base = results[0].timing.median_ms
+    out: dict[str, float | str] = {}
+    for slug, r in zip(SLUGS, results, strict=True):
+        ms = r.timing.median_ms if r.timing else nan
+        out |= {f"ladder_{slug}_ips": float(r.images_per_s or nan), f"ladder_{slug}_ms": ms,
+                f"ladder_{slug}_host_ms": float(r.host_ms or nan),
+                f"ladder_{slug}_x": base / ms, f"ladder_{slug}_tflops": tflop / ms * 1e3}
+    eager, compiled, graphs = results[3], results[4], results[-1]
+    launch_bound = eager.host_ms > 0.8 * eager.timing.median_ms
+    out["cl_verdict"] = ("the GPU is waiting for the CPU" if launch_bound
+                         else "the CPU stays ahead of the GPU")
+    graphs_ms = graphs.timing.median_ms if graphs.timing else nan
+    saved_ms = eager.timing.median_ms - graphs_ms
+    first_s = graphs.first_step_ms / 1e3 if graphs.first_step_ms else nan
+    compiled_ms = compiled.timing.median_ms
+    out |= {"graphs_over_cl": eager.timing.median_ms / graphs_ms, "graphs_first_s": first_s,
+            "graphs_breakeven": first_s * 1e3 / saved_ms if saved_ms > 0 else nan,
+            "compile_over_cl": eager.timing.median_ms / compiled_ms,
+            "compile_first_s": (compiled.first_step_ms or nan) / 1e3}
+    return out
+

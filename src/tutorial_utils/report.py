@@ -1,0 +1,68 @@
+"""What every benchmark does with its results: a table, JSON lines, a figure title, glue.
+
+Each chapter's benchmark module measures; this module only presents. A benchmark's
+``summary()`` returns a flat ``{name: number or text}`` dict, and a notebook hands it to
+:func:`glue_summary` in one call, so the prose can quote every value with ``{glue:text}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Column:
+    key: str
+    header: str
+    fmt: str = ""  # a format spec such as ".2f", or "" for str()
+    width: int = 10
+    left: bool = False
+
+
+def cell(value: object, col: Column) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        text = "-"
+    else:
+        text = format(value, col.fmt) if col.fmt else str(value)
+    return f"{text:<{col.width}}" if col.left else f"{text:>{col.width}}"
+
+
+def table(rows: Iterable[Mapping[str, object]], columns: Sequence[Column]) -> str:
+    """Fixed-width text table, one line per row; missing values print as ``-``."""
+    head = "".join(f"{c.header:<{c.width}}" if c.left else f"{c.header:>{c.width}}"
+                   for c in columns)
+    lines = [head] + ["".join(cell(row.get(c.key), c) for c in columns) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
+    """Append ``records`` to ``path``, one JSON object per line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def figure_title(what: str) -> str:
+    """``what`` followed by the hardware it was measured on (``2 x NVIDIA H200``)."""
+    from .stamp import environment_stamp
+
+    return f"{what} - {environment_stamp().hardware}"
+
+
+def glue_summary(summary: Mapping[str, object], prefix: str = "") -> None:
+    """Glue every value of a flat summary under ``prefix + key`` for ``{glue:text}``."""
+    from myst_nb import glue
+
+    for key, value in summary.items():
+        glue(prefix + key, value, display=False)
