@@ -1,0 +1,146 @@
+"""The SLURM template, run by bash under a fake SLURM environment: no Slurm needed.
+
+``srun``, ``scontrol`` and ``nvidia-smi`` are stubs placed first on PATH. They record their
+arguments and environment and start nothing, so the tests read the command the script builds.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "slurm" / "wrn_ddp.sbatch"
+BASH = shutil.which("bash")
+pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
+
+JOB_ID = 4242424
+HOSTS = ["gpu-a07", "gpu-a08"]
+STUB = """#!{bash}
+# Record this call's arguments and environment (NUL-separated); run nothing.
+n=$(ls "$STUB_LOG" | grep -c "^{name}\\.[0-9]*\\.args$" || true)
+printf '%s\\0' "$@" > "$STUB_LOG/{name}.$n.args"
+env -0 > "$STUB_LOG/{name}.$n.env"
+{body}
+"""
+STUB_BODIES = {
+    "srun": "exit 0",
+    # STUB_HOST_COUNT: that many made-up nodes instead of STUB_HOSTS.
+    "scontrol": 'if [ "$1 $2" != "show hostnames" ]; then exit 0; fi\n'
+                'if [ -n "${STUB_HOST_COUNT:-}" ]; then\n'
+                '  for ((i = 0; i < STUB_HOST_COUNT; i++)); do printf "node-%05d\\n" $i; done\n'
+                'else printf "%s\\n" $STUB_HOSTS; fi',
+    # `nvidia-smi -L` prints one line per GPU; STUB_GPUS unset: no driver, no GPUs.
+    "nvidia-smi": 'if [ -z "${STUB_GPUS:-}" ]; then echo "NVIDIA-SMI has failed" >&2; exit 9; fi\n'
+                  'for ((i = 0; i < STUB_GPUS; i++)); do\n'
+                  '  echo "GPU $i: NVIDIA H200 (UUID: GPU-0000$i)"\n'
+                  'done',
+}
+
+
+@dataclass
+class Call:
+    args: list[str]
+    env: dict[str, str]
+
+
+@dataclass
+class Job:
+    returncode: int
+    stderr: str
+    calls: dict[str, list[Call]]
+
+    def srun(self) -> Call:
+        assert self.returncode == 0, (self.returncode, self.stderr)
+        assert len(self.calls["srun"]) == 1, "the script runs srun exactly once"
+        return self.calls["srun"][0]
+
+    def torchrun(self) -> tuple[list[str], list[str]]:
+        """torchrun's own options, and the training entry point's options."""
+        args = self.srun().args
+        assert "torchrun" in args, args
+        launcher = args[args.index("torchrun") + 1:]
+        assert "-m" in launcher and launcher[launcher.index("-m") + 1] == "tutorial_utils.train"
+        m = launcher.index("-m")
+        return launcher[:m], launcher[m + 2:]
+
+    def torchrun_option(self, name: str) -> str:
+        options, _ = self.torchrun()
+        values = [a.split("=", 1)[1] for a in options if a.startswith(f"{name}=")]
+        assert len(values) == 1, f"{name} given {len(values)} times in {options}"
+        return values[0]
+
+
+def slurm_env(*, cpus: int = 32, **gpu_vars: str) -> dict[str, str]:
+    """What Slurm sets in a batch job's environment (2 nodes), plus the GPU variables given."""
+    return {
+        "SLURM_JOB_ID": str(JOB_ID), "SLURM_JOB_NAME": "wrn-ddp", "SLURM_NNODES": "2",
+        "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-a[07-08]",
+        "SLURM_NTASKS_PER_NODE": "1", "SLURM_CPUS_PER_TASK": str(cpus),
+        "SLURM_CPUS_ON_NODE": str(cpus), "SLURM_SUBMIT_DIR": str(ROOT), **gpu_vars,
+    }
+
+
+def run_job(tmp_path: Path, env: dict[str, str], *, visible_gpus: int | None = None) -> Job:
+    stubs, log = tmp_path / "bin", tmp_path / "log"
+    stubs.mkdir()
+    log.mkdir()
+    for name, body in STUB_BODIES.items():
+        stub = stubs / name
+        stub.write_text(STUB.format(bash=BASH, name=name, body=body))
+        stub.chmod(0o755)
+    # A clean environment: nothing from a real Slurm job (or a user's OMP_NUM_THREADS) leaks in.
+    full_env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(tmp_path), "STUB_LOG": str(log),
+                "STUB_HOSTS": " ".join(HOSTS), **env}
+    if visible_gpus is not None:
+        full_env["STUB_GPUS"] = str(visible_gpus)
+    proc = subprocess.run([BASH, str(SCRIPT)], cwd=ROOT, env=full_env, capture_output=True,
+                          text=True, timeout=60)
+    calls: dict[str, list[Call]] = {name: [] for name in STUB_BODIES}
+    for name in STUB_BODIES:
+        for args_file in sorted(log.glob(f"{name}.*.args")):
+            args = args_file.read_text().split("\0")[:-1]
+            env_text = args_file.with_suffix(".env").read_text()
+            variables = dict(v.split("=", 1) for v in env_text.split("\0") if "=" in v)
+            calls[name].append(Call(args, variables))
+    return Job(proc.returncode, proc.stderr, calls)
+
+
+def sbatch_directives() -> dict[str, str]:
+    """The ``#SBATCH --name=value`` lines sbatch reads: those before the first command."""
+    directives = {}
+    for line in SCRIPT.read_text().splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            break
+        if stripped.startswith("#SBATCH"):
+            option = stripped.split()[1]
+            name, _, value = option.partition("=")
+            directives[name] = value
+    return directives
+
+
+# 5. The launcher command: nodes, rendezvous on the first node, a port from the job id.
+
+def test_torchrun_meets_on_the_first_node_at_a_port_from_the_job_id(tmp_path):
+    job = run_job(tmp_path, slurm_env(SLURM_GPUS_PER_NODE="8"))
+    assert job.torchrun_option("--nnodes") == "2"
+    assert job.torchrun_option("--nproc_per_node") == "8"
+    assert [c.args for c in job.calls["scontrol"]] == [["show", "hostnames", "gpu-a[07-08]"]]
+    assert job.torchrun_option("--rdzv-endpoint") == f"{HOSTS[0]}:{20000 + JOB_ID % 20000}"
+    assert job.torchrun_option("--rdzv-backend") == "c10d"
+    assert job.torchrun_option("--rdzv-id") == str(JOB_ID)
+    assert int(job.torchrun_option("--max-restarts")) >= 1
+    assert job.calls["nvidia-smi"] == []  # SLURM_GPUS_PER_NODE answers first
+
+
+def test_head_node_of_a_long_node_list(tmp_path):
+    # More names than a pipe holds: a reader that stops at the first line kills scontrol with
+    # SIGPIPE, which fails the whole job under `set -o pipefail`.
+    env = {**slurm_env(SLURM_GPUS_PER_NODE="8"), "STUB_HOST_COUNT": "10000"}
+    job = run_job(tmp_path, env)
+    assert job.torchrun_option("--rdzv-endpoint") == f"node-00000:{20000 + JOB_ID % 20000}"
