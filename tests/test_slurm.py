@@ -124,6 +124,33 @@ def sbatch_directives() -> dict[str, str]:
     return directives
 
 
+# 1. The log's folder must exist before the job starts: Slurm opens it, not the script.
+
+def test_output_log_folder_exists_in_a_fresh_clone():
+    output = sbatch_directives().get("--output")
+    assert output, "the template names its log (#SBATCH --output=...) before any command"
+    folder = Path(output).parent
+    assert not folder.is_absolute()  # relative to the submit directory, the repository's root
+    if folder != Path("."):
+        # A fresh clone holds only the tracked files: the folder must contain one of them.
+        tracked = subprocess.run(["git", "ls-files", "--", str(folder)], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout
+        assert tracked.strip(), f"{folder}/ does not exist in a fresh clone"
+
+
+# 4. Its assumptions, in comments above the directives; and one launcher per node.
+
+def test_assumptions_are_stated_at_the_top_and_srun_starts_one_launcher_per_node(tmp_path):
+    lines = SCRIPT.read_text().splitlines()
+    first_directive = next(i for i, line in enumerate(lines) if line.startswith("#SBATCH"))
+    header = " ".join(line.lstrip("# ") for line in lines[1:first_directive]).lower()
+    for assumption in ["shared filesystem", "same python environment on every node",
+                       "srun --ntasks-per-node=1"]:
+        assert assumption in header, f"the header does not say: {assumption}"
+    srun = run_job(tmp_path, slurm_env(SLURM_GPUS_PER_NODE="8")).srun()
+    assert "--ntasks-per-node=1" in srun.args[:srun.args.index("torchrun")]
+
+
 # 5. The launcher command: nodes, rendezvous on the first node, a port from the job id.
 
 def test_torchrun_meets_on_the_first_node_at_a_port_from_the_job_id(tmp_path):
