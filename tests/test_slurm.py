@@ -138,6 +138,44 @@ def test_output_log_folder_exists_in_a_fresh_clone():
         assert tracked.strip(), f"{folder}/ does not exist in a fresh clone"
 
 
+# 2. CPUs and GPUs: srun gets the CPUs, the workers share them, every way of asking for GPUs.
+
+@pytest.mark.parametrize(("gpu_vars", "visible", "nproc"), [
+    pytest.param({"SLURM_GPUS_PER_NODE": "4", "SLURM_GPUS_ON_NODE": "4"}, 8, "4",
+                 id="gpus-per-node"),
+    pytest.param({"SLURM_GPUS_PER_NODE": "h200:4", "SLURM_GPUS_ON_NODE": "4"}, 8, "4",
+                 id="gpus-per-node-typed"),
+    pytest.param({"SLURM_GPUS_ON_NODE": "4", "SLURM_JOB_GPUS": "0,1,2,3"}, 8, "4",
+                 id="gres-gpus-on-node"),
+    pytest.param({"SLURM_JOB_GPUS": "4,5,6,7"}, 8, "4", id="gres-job-gpus"),
+    pytest.param({}, 4, "4", id="nvidia-smi"),
+])
+def test_nproc_per_node_under_gpus_per_node_and_gres(tmp_path, gpu_vars, visible, nproc):
+    job = run_job(tmp_path, slurm_env(**gpu_vars), visible_gpus=visible)
+    assert job.torchrun_option("--nproc_per_node") == nproc
+
+
+def test_no_gpus_found_stops_before_srun(tmp_path):
+    job = run_job(tmp_path, slurm_env())
+    assert job.returncode != 0
+    assert "GPU" in job.stderr
+    assert job.calls["srun"] == []
+
+
+def test_srun_gets_the_cpus_per_task(tmp_path):
+    # Slurm >= 22.05: srun does not inherit sbatch's --cpus-per-task.
+    srun = run_job(tmp_path, slurm_env(cpus=48, SLURM_GPUS_PER_NODE="4")).srun()
+    options = srun.args[:srun.args.index("torchrun")]
+    given = [a.split("=", 1)[1] for a in options if a.startswith("--cpus-per-task=")]
+    assert given == ["48"] or (not given and srun.env.get("SRUN_CPUS_PER_TASK") == "48")
+
+
+@pytest.mark.parametrize(("cpus", "gpus", "threads"), [(32, 8, "4"), (48, 4, "12"), (2, 4, "1")])
+def test_omp_threads_share_the_cpus_among_the_workers(tmp_path, cpus, gpus, threads):
+    srun = run_job(tmp_path, slurm_env(cpus=cpus, SLURM_GPUS_PER_NODE=str(gpus))).srun()
+    assert srun.env.get("OMP_NUM_THREADS") == threads
+
+
 # 4. Its assumptions, in comments above the directives; and one launcher per node.
 
 def test_assumptions_are_stated_at_the_top_and_srun_starts_one_launcher_per_node(tmp_path):
