@@ -20,6 +20,19 @@ pytestmark = pytest.mark.skipif(BASH is None, reason="needs bash")
 
 JOB_ID = 4242424
 HOSTS = ["gpu-a07", "gpu-a08"]
+# The options of `python -m tutorial_utils.train` the template may use (and their choices).
+TRAIN_OPTIONS = {
+    "--depth", "--width", "--dropout", "--epochs", "--batch", "--scaling", "--lr", "--schedule",
+    "--warmup-epochs", "--weight-decay", "--label-smoothing", "--crop-pad", "--tta", "--bf16",
+    "--no-bf16", "--compile", "--step-graph", "--loader", "--data", "--limit-per-class",
+    "--device", "--out", "--checkpoint-every", "--resume", "--seed", "--deterministic",
+}
+TRAIN_CHOICES = {
+    "--scaling": {"strong", "weak"}, "--schedule": {"warmup-linear", "step"},
+    "--compile": {"none", "default", "reduce-overhead"}, "--loader": {"device", "dataloader"},
+    "--device": {"auto", "cpu", "cuda"},
+}
+
 STUB = """#!{bash}
 # Record this call's arguments and environment (NUL-separated); run nothing.
 n=$(ls "$STUB_LOG" | grep -c "^{name}\\.[0-9]*\\.args$" || true)
@@ -174,6 +187,21 @@ def test_srun_gets_the_cpus_per_task(tmp_path):
 def test_omp_threads_share_the_cpus_among_the_workers(tmp_path, cpus, gpus, threads):
     srun = run_job(tmp_path, slurm_env(cpus=cpus, SLURM_GPUS_PER_NODE=str(gpus))).srun()
     assert srun.env.get("OMP_NUM_THREADS") == threads
+
+
+# 3. The large batch warms up (Goyal et al. 2017), with the entry point's options only.
+
+def test_train_options_warm_up_the_large_batch(tmp_path):
+    _, train = run_job(tmp_path, slurm_env(SLURM_GPUS_PER_NODE="8")).torchrun()
+    options = [a for a in train if a.startswith("--")]
+    assert set(options) <= TRAIN_OPTIONS, f"unknown options: {set(options) - TRAIN_OPTIONS}"
+    values = {a: train[i + 1] for i, a in enumerate(train[:-1]) if a in TRAIN_CHOICES}
+    for option, value in values.items():
+        assert value in TRAIN_CHOICES[option], f"{option} {value}"
+    assert values.get("--schedule") == "step"
+    assert "--warmup-epochs" in train
+    assert float(train[train.index("--warmup-epochs") + 1]) == 5
+    assert values.get("--scaling") == "weak" and "--resume" in train
 
 
 # 4. Its assumptions, in comments above the directives; and one launcher per node.
