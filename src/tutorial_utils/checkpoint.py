@@ -8,12 +8,13 @@ a crash mid-write leaves the previous checkpoint intact. It is read with
 from __future__ import annotations
 
 import os
-import pickle
 import random
 from pathlib import Path
 from typing import Any
 
 import torch
+
+AFRESH = "delete it to start afresh, or resume from another --out"
 
 
 class CheckpointError(RuntimeError):
@@ -48,14 +49,8 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
 
 def load_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
     """Load ``path``; ``expect`` holds settings the checkpoint must match (e.g. depth, width)."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
-        raise CheckpointError(
-            f"{path} is corrupt or not a checkpoint ({type(err).__name__}); "
-            "delete it to start afresh, or resume from another --out"
-        ) from None
-    saved = state.get("config", {}) if isinstance(state, dict) else {}
+    state = _read(path)
+    saved = state.get("config", {})
     wrong = {k: (saved.get(k), v) for k, v in expect.items() if saved.get(k) != v}
     if wrong:
         diff = ", ".join(f"{k}={old} (this run: {new})" for k, (old, new) in wrong.items())
@@ -63,3 +58,17 @@ def load_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
             f"{path} was written with {diff}; use the same settings or another --out"
         )
     return state
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - damage surfaces as any type; the advice is one
+        raise _damaged(path, type(err).__name__) from err
+    if not isinstance(state, dict):
+        raise _damaged(path, f"it holds a {type(state).__name__}, not a dict")
+    return state
+
+
+def _damaged(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is corrupt or not a checkpoint ({why}); {AFRESH}")

@@ -1,0 +1,67 @@
+"""Checkpoints: any damage is one clear error, and a save is atomic and durable."""
+
+import pickle
+import random
+
+import pytest
+import torch
+
+from tutorial_utils import checkpoint as ckpt
+from tutorial_utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+CPU = torch.device("cpu")
+
+
+def a_state(epoch: int = 3) -> dict:
+    return {"model": {"w": torch.arange(1000, dtype=torch.float32)}, "epoch": epoch,
+            "rng": [ckpt.rng_state(CPU)], "config": {"depth": 10}, "world_size": 1}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, a_state())
+    return path
+
+
+def assert_one_clear_line(err: pytest.ExceptionInfo, path) -> None:
+    msg = str(err.value)
+    assert str(path) in msg and "delete it" in msg and "another --out" in msg, msg
+    assert "\n" not in msg, msg
+
+
+def damages(good: bytes) -> dict[str, bytes]:
+    n = len(good)
+    cases = {f"truncated at {k}": good[:k] for k in (1, 4, 30, 100, n // 2, n - 22, n - 1)}
+    # a flipped byte in the pickled structure reads back as UnicodeDecodeError, KeyError...
+    cases.update({f"byte {k} flipped": good[:k] + bytes([good[k] ^ 0xFF]) + good[k + 1:]
+                  for k in range(60, 160, 5)})
+    cases["zero-length"] = b""
+    cases["random bytes"] = random.Random(0).randbytes(5000)
+    cases["a text file"] = b"hello world\n" * 100
+    cases["a plain pickle"] = pickle.dumps({"epoch": 1})
+    return cases
+
+
+def test_any_damage_is_a_checkpoint_error_naming_the_file(saved, tmp_path):
+    path = tmp_path / "damaged.pt"
+    escaped = {}
+    for name, data in damages(saved.read_bytes()).items():
+        path.write_bytes(data)
+        try:
+            load_checkpoint(path, {})
+        except CheckpointError as err:
+            msg = str(err)
+            assert str(path) in msg and "delete it" in msg and "another --out" in msg, msg
+            assert "\n" not in msg, msg
+        except Exception as err:  # noqa: BLE001 - the test is that nothing else gets out
+            escaped[name] = type(err).__name__
+    assert not escaped
+
+
+def test_a_pickle_that_is_not_a_dict_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "list.pt"
+    torch.save([1, 2, 3], path)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(path, {})
+    assert_one_clear_line(err, path)
