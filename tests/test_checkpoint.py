@@ -65,3 +65,10 @@ def test_a_pickle_that_is_not_a_dict_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path, {})
     assert_one_clear_line(err, path)
+
+
+def test_missing_required_keys_are_named(saved):
+    with pytest.raises(CheckpointError, match="optimizer, scheduler") as err:
+        load_checkpoint(saved, {}, required=("model", "optimizer", "scheduler", "epoch"))
+    assert_one_clear_line(err, saved)
+    assert load_checkpoint(saved, {}, required=("model", "epoch"))["epoch"] == 3

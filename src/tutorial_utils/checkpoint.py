@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +48,15 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, expect: dict[str, Any]) -> dict[str, Any]:
-    """Load ``path``; ``expect`` holds settings the checkpoint must match (e.g. depth, width)."""
+def load_checkpoint(
+    path: Path, expect: dict[str, Any], required: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Load ``path``: it must hold the keys ``required`` and match ``expect`` (depth, width...)."""
     state = _read(path)
+    missing = [k for k in required if k not in state]
+    if missing:  # caught here, not as a KeyError halfway through restoring
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a checkpoint of this "
+                              f"trainer; {AFRESH}")
     saved = state.get("config", {})
     wrong = {k: (saved.get(k), v) for k, v in expect.items() if saved.get(k) != v}
     if wrong:
