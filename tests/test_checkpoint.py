@@ -1,5 +1,6 @@
 """Checkpoints: any damage is one clear error, and a save is atomic and durable."""
 
+import os
 import pickle
 import random
 import struct
@@ -122,3 +123,45 @@ def test_missing_required_keys_are_named(saved):
         load_checkpoint(saved, {}, required=("model", "optimizer", "scheduler", "epoch"))
     assert_one_clear_line(err, saved)
     assert load_checkpoint(saved, {}, required=("model", "epoch"))["epoch"] == 3
+
+
+def test_the_folder_is_fsynced_after_the_rename(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "fsync", fsync)
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    save_checkpoint(path, a_state())
+    file, folder = path.stat().st_ino, tmp_path.stat().st_ino
+    assert events == [("fsync", file), ("replace", file), ("fsync", folder)]
+
+
+def test_two_writers_never_share_a_temp_file(tmp_path, monkeypatch):
+    path = tmp_path / "checkpoint.pt"
+    real_save = torch.save
+
+    def interleaved(obj, f):
+        real_save(obj, f)
+        if obj["epoch"] == 1:  # a second writer saves between this one's write and rename
+            save_checkpoint(path, a_state(epoch=2))
+
+    monkeypatch.setattr(ckpt.torch, "save", interleaved)
+    save_checkpoint(path, a_state(epoch=1))
+    assert load_checkpoint(path, {})["epoch"] == 1  # the last rename wins, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(saved, tmp_path):
+    with pytest.raises(Exception, match="pickle"):
+        save_checkpoint(saved, {**a_state(epoch=4), "hook": lambda: None})
+    assert load_checkpoint(saved, {})["epoch"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import random
+import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,15 +41,28 @@ def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically and durably (one writer per path at a time)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a name of its own, so a second writer never writes into or deletes this one's file
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the checkpoint from the run's readers
+        os.close(fd)
         torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        _fsync(tmp)  # the data on disk before the rename points the name at it
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+        _fsync(path.parent)  # the rename is an entry in the folder: a crash could undo it
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(
