@@ -5,14 +5,18 @@ import pickle
 import random
 import struct
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from tutorial_utils import checkpoint as ckpt
 from tutorial_utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tutorial_utils.launch import torchrun
+from tutorial_utils.parallel.distributed import DistContext
 
 CPU = torch.device("cpu")
+WORKERS = Path(__file__).parent / "workers"
 
 
 def a_state(epoch: int = 3) -> dict:
@@ -165,3 +169,29 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_no_temp_file(saved, tmp
         save_checkpoint(saved, {**a_state(epoch=4), "hook": lambda: None})
     assert load_checkpoint(saved, {})["epoch"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_one_process_resumes_its_own_rng_state():
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=CPU)
+    torch.manual_seed(5)
+    random.seed(5)
+    saved = ckpt.gather_rng_states(ctx)
+    drawn = (torch.rand(4), random.random())
+    torch.manual_seed(6)
+    random.seed(6)
+    ckpt.set_rng_state(ckpt.rng_state_for_rank(saved, 0), CPU)
+    assert len(saved) == 1
+    assert torch.equal(torch.rand(4), drawn[0]) and random.random() == drawn[1]
+
+
+def test_a_rank_with_no_saved_rng_state_is_a_checkpoint_error():
+    with pytest.raises(CheckpointError, match="rank 1"):
+        ckpt.rng_state_for_rank([ckpt.rng_state(CPU)], 1)
+    with pytest.raises(CheckpointError, match="rank 0"):  # one state for all, as saved before
+        ckpt.rng_state_for_rank(ckpt.rng_state(CPU), 0)
+
+
+def test_two_processes_each_resume_their_own_rng_state(tmp_path):
+    result = torchrun(str(WORKERS / "rng_states.py"), [str(tmp_path / "checkpoint.pt")],
+                      nproc=2, timeout_s=300, echo=False)
+    assert "rng_states ok" in result.output

@@ -15,9 +15,13 @@ import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .parallel.distributed import DistContext
 
 AFRESH = "delete it to start afresh, or resume from another --out"
 
@@ -27,6 +31,7 @@ class CheckpointError(RuntimeError):
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch, Python and (on a GPU) CUDA generator states."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -34,10 +39,33 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what ``rng_state`` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def gather_rng_states(ctx: DistContext) -> list[dict[str, Any]] | None:
+    """Every rank's RNG state, in rank order, on rank 0 (None elsewhere); call it on all ranks.
+
+    Each rank draws its own augmentations and dropout: resuming every rank from rank 0's
+    state would make the ranks draw alike.
+    """
+    mine = rng_state(ctx.device)
+    if not ctx.is_distributed:
+        return [mine]
+    everyone: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, everyone, dst=0)
+    return everyone
+
+
+def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """This rank's state from what ``gather_rng_states`` returned on rank 0."""
+    if not isinstance(saved, list) or not 0 <= rank < len(saved):
+        held = f"{len(saved)} RNG states" if isinstance(saved, list) else "one RNG state for all"
+        raise CheckpointError(f"the checkpoint holds {held}, none for rank {rank}; {AFRESH}")
+    return saved[rank]
 
 
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
