@@ -195,3 +195,16 @@ def test_two_processes_each_resume_their_own_rng_state(tmp_path):
     result = torchrun(str(WORKERS / "rng_states.py"), [str(tmp_path / "checkpoint.pt")],
                       nproc=2, timeout_s=300, echo=False)
     assert "rng_states ok" in result.output
+
+
+def test_a_resume_at_another_world_size_is_refused(saved):
+    with pytest.raises(CheckpointError) as err:
+        ckpt.check_world_size({"world_size": 2}, 1, saved)
+    msg = str(err.value)
+    assert msg.startswith(f"{saved} was written by 2 processes, this run has 1: the per-GPU batch")
+    assert "peak learning rate" in msg and msg.endswith(
+        "resume with 2 processes, or start afresh with another --out")
+    with pytest.raises(CheckpointError, match="does not record"):
+        ckpt.check_world_size({}, 1, saved)
+    ckpt.check_world_size({"world_size": 2}, 2, saved)
+    ckpt.check_world_size(load_checkpoint(saved, {}), 1)

@@ -68,6 +68,25 @@ def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]
     return saved[rank]
 
 
+def check_world_size(
+    state: dict[str, Any], world_size: int, path: Path | str = "the checkpoint"
+) -> None:
+    """Refuse to resume ``state`` (from ``path``) with another number of processes."""
+    saved = state.get("world_size")
+    if saved is None:
+        raise CheckpointError(f"{path} does not record how many processes wrote it; {AFRESH}")
+    if saved != world_size:
+        raise CheckpointError(
+            f"{path} was written by {_processes(saved)}, this run has {world_size}: the per-GPU "
+            "batch, the data shards and (with weak scaling) the peak learning rate would change; "
+            f"resume with {_processes(saved)}, or start afresh with another --out"
+        )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically and durably (one writer per path at a time)."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tutorial_utils.checkpoint import (
+    check_world_size,
     gather_rng_states,
     load_checkpoint,
     rng_state_for_rank,
@@ -40,6 +41,7 @@ with distributed("cpu") as ctx:
     torch.manual_seed(99)
     random.seed(99)
     state = load_checkpoint(path, {}, required=("rng", "world_size"))
+    check_world_size(state, ctx.world_size, path)
     set_rng_state(rng_state_for_rank(state["rng"], ctx.rank), ctx.device)
     assert torch.equal(torch.rand(4), drawn[0]), f"rank {ctx.rank} got another rank's state"
     assert random.random() == drawn[1]
