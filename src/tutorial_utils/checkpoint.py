@@ -63,7 +63,7 @@ def gather_rng_states(ctx: DistContext) -> list[dict[str, Any]] | None:
 def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
     """This rank's state from what ``gather_rng_states`` returned on rank 0."""
     if not isinstance(saved, list) or not 0 <= rank < len(saved):
-        held = f"{len(saved)} RNG states" if isinstance(saved, list) else "one RNG state for all"
+        held = f"{len(saved)} RNG states" if isinstance(saved, list) else "one state for all ranks"
         raise CheckpointError(f"the checkpoint holds {held}, none for rank {rank}; {AFRESH}")
     return saved[rank]
 
