@@ -2,18 +2,28 @@
 
 A checkpoint is written to a temporary file in the same folder and renamed over the old one:
 a crash mid-write leaves the previous checkpoint intact. It is read with
-``torch.load(weights_only=True)``, which refuses to run code hidden in a file.
+``torch.load(weights_only=True)``, which refuses to run code hidden in a file, after every
+member of the zip archive ``torch.save`` writes has passed its CRC check. Any damage is one
+``CheckpointError`` that says what to do.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import random
+import tempfile
+import zipfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from .parallel.distributed import DistContext
+
+AFRESH = "delete it to start afresh, or resume from another --out"
 
 
 class CheckpointError(RuntimeError):
@@ -21,6 +31,7 @@ class CheckpointError(RuntimeError):
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's torch, Python and (on a GPU) CUDA generator states."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
@@ -28,34 +39,89 @@ def rng_state(device: torch.device) -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    """Restore what ``rng_state`` returned."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def gather_rng_states(ctx: DistContext) -> list[dict[str, Any]] | None:
+    """Every rank's RNG state, in rank order, on rank 0 (None elsewhere); call it on all ranks.
+
+    Each rank draws its own augmentations and dropout: resuming every rank from rank 0's
+    state would make the ranks draw alike.
+    """
+    mine = rng_state(ctx.device)
+    if not ctx.is_distributed:
+        return [mine]
+    everyone: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, everyone, dst=0)
+    return everyone
+
+
+def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
+    """This rank's state from what ``gather_rng_states`` returned on rank 0."""
+    if not isinstance(saved, list) or not 0 <= rank < len(saved):
+        held = f"{len(saved)} RNG states" if isinstance(saved, list) else "one state for all ranks"
+        raise CheckpointError(f"the checkpoint holds {held}, none for rank {rank}; {AFRESH}")
+    return saved[rank]
+
+
+def check_world_size(
+    state: dict[str, Any], world_size: int, path: Path | str = "the checkpoint"
+) -> None:
+    """Refuse to resume ``state`` (from ``path``) with another number of processes."""
+    saved = state.get("world_size")
+    if saved is None:
+        raise CheckpointError(f"{path} does not record how many processes wrote it; {AFRESH}")
+    if saved != world_size:
+        raise CheckpointError(
+            f"{path} was written by {_processes(saved)}, this run has {world_size}: the per-GPU "
+            "batch, the data shards and (with weak scaling) the peak learning rate would change; "
+            f"resume with {_processes(saved)}, or start afresh with another --out"
+        )
+
+
+def _processes(n: int) -> str:
+    return f"{n} process" if n == 1 else f"{n} processes"
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """Write ``state`` to ``path`` atomically and durably (one writer per path at a time)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    # a name of its own, so a second writer never writes into or deletes this one's file
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the checkpoint from the run's readers
+        os.close(fd)
         torch.save(state, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        _fsync(tmp)  # the data on disk before the rename points the name at it
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
+        _fsync(path.parent)  # the rename is an entry in the folder: a crash could undo it
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def load_checkpoint(path: Path, expect: dict[str, Any], required=()) -> dict[str, Any]:
-    """Load ``path``; ``expect`` holds settings the checkpoint must match (e.g. depth, width)."""
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, pickle.UnpicklingError, OSError) as err:
-        raise CheckpointError(
-            f"{path} is corrupt or not a checkpoint ({type(err).__name__}); "
-            "delete it to start afresh, or resume from another --out"
-        ) from None
-    saved = state.get("config", {}) if isinstance(state, dict) else {}
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(
+    path: Path, expect: dict[str, Any], required: Sequence[str] = ()
+) -> dict[str, Any]:
+    """Load ``path``: it must hold the keys ``required`` and match ``expect`` (depth, width...)."""
+    state = _read(path)
+    missing = [k for k in required if k not in state]
+    if missing:  # caught here, not as a KeyError halfway through restoring
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a checkpoint of this "
+                              f"trainer; {AFRESH}")
+    saved = state.get("config", {})
     wrong = {k: (saved.get(k), v) for k, v in expect.items() if saved.get(k) != v}
     if wrong:
         diff = ", ".join(f"{k}={old} (this run: {new})" for k, (old, new) in wrong.items())
@@ -65,22 +131,20 @@ def load_checkpoint(path: Path, expect: dict[str, Any], required=()) -> dict[str
     return state
 
 
-def gather_rng_states(ctx) -> list[dict[str, Any]] | None:  # interim; replaced by the fix
-    import torch.distributed as dist
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()  # reads every member: torch.load checks no CRC
+        if bad is None:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - damage surfaces as any type; the advice is one
+        raise _damaged(path, type(err).__name__) from err
+    if bad is not None:
+        raise _damaged(path, f"{bad} fails its CRC check")
+    if not isinstance(state, dict):
+        raise _damaged(path, f"it holds a {type(state).__name__}, not a dict")
+    return state
 
-    mine = rng_state(ctx.device)
-    if not ctx.is_distributed:
-        return [mine]
-    states = [None] * ctx.world_size
-    dist.all_gather_object(states, mine)
-    return states
 
-
-def rng_state_for_rank(saved: list[dict[str, Any]], rank: int) -> dict[str, Any]:
-    return saved[rank]
-
-
-def check_world_size(state: dict[str, Any], world_size: int) -> None:
-    if state["world_size"] != world_size:
-        raise CheckpointError(f"checkpoint.pt was written by {state['world_size']} processes, "
-                              f"this run has {world_size}")
+def _damaged(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path} is corrupt or not a checkpoint ({why}); {AFRESH}")
