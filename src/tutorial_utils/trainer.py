@@ -117,7 +117,7 @@ class Trainer:
         state = ckpt.load_checkpoint(self.checkpoint_path, {k: getattr(self.cfg, k) for k in keys},
                                      required=("model", "optimizer", "scheduler", "rng", "epoch",
                                                "world_size"))
-        ckpt.check_world_size(state, self.ctx.world_size)
+        ckpt.check_world_size(state, self.ctx.world_size, self.checkpoint_path)
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
