@@ -1,15 +1,12 @@
 import torch
 
 from tutorial_utils.bench_one_gpu import (
-    LADDER,
-    LadderSize,
     host_to_device_gbps,
     ladder_table,
-    make_train_step,
     measure_ladder,
     step_tflop,
-    tf32_enabled,
 )
+from tutorial_utils.workload import LADDER, LadderSize, make_train_step, tf32_enabled
 
 TINY = LadderSize("wrn-10-1", batch=2, warmup=0, repeats=1)
 CPU = torch.device("cpu")

@@ -3,12 +3,17 @@ import pytest
 
 matplotlib.use("Agg")
 
+from tutorial_utils import bench_scaling as bench  # noqa: E402
 from tutorial_utils.bench_scaling import best_run, plot, run, table  # noqa: E402
 from tutorial_utils.devices import gpu_count  # noqa: E402
 
+# Two "GPUs" are CPU processes unless the machine has two GPUs: one GPU is not enough.
+DEVICE = "cuda" if gpu_count() >= 2 else "cpu"
+
 
 def test_scaling_benchmark_measures_both_regimes_against_single_runs():
-    runs = run("wrn-10-1", gpus=(2,), global_batch=8, per_gpu_batch=8, modes=("eager",), repeats=1)
+    runs = run("wrn-10-1", gpus=(2,), global_batch=8, per_gpu_batch=8, modes=("eager",),
+               repeats=1, device=DEVICE)
     singles = [r for r in runs if r.regime == "single"]
     assert sorted(r.per_gpu_batch for r in singles) == [4, 8]
     strong = next(r for r in runs if r.regime == "strong" and r.method == "DDP")
@@ -24,7 +29,7 @@ def test_scaling_benchmark_measures_both_regimes_against_single_runs():
     assert best_run(runs, "single", "1 GPU", batch=8).step_ms == best8
     assert best_run(runs, "weak") is weak
     data_parallel = best_run(runs, "weak", "DataParallel")  # measured on GPUs only
-    assert (data_parallel is None) == (gpu_count() < 2)
+    assert (data_parallel is None) == (DEVICE == "cpu")
     fig = plot(runs, "tiny")
     assert len(fig.axes[0].patches) == sum(r.gpus > 1 for r in runs)  # a bar per multi-GPU run
 
@@ -35,7 +40,6 @@ def test_global_batch_must_split_evenly():
 
 
 def test_bad_gpu_counts_are_one_line_errors(capsys, monkeypatch):
-    from tutorial_utils import bench
 
     with pytest.raises(SystemExit) as err:
         bench.main(["--gpus", "3", "--global-batch", "128"])
@@ -53,19 +57,18 @@ def test_bad_gpu_counts_are_one_line_errors(capsys, monkeypatch):
 def test_single_gpu_reference_is_autotuned_like_the_ddp_workers(monkeypatch):
     import torch
 
-    from tutorial_utils import bench_data_parallel
-    from tutorial_utils.bench_one_gpu import LADDER, LadderSize
+    from tutorial_utils import workload
+    from tutorial_utils.workload import LADDER, LadderSize
 
     seen = []
-    monkeypatch.setattr(bench_data_parallel, "measure_rung",
-                        lambda *a: seen.append(torch.backends.cudnn.benchmark))
+    monkeypatch.setattr(workload, "make_train_step",
+                        lambda *a: seen.append(torch.backends.cudnn.benchmark) or (lambda: None))
     before = torch.backends.cudnn.benchmark
-    bench_data_parallel.measure_single(LADDER[3], LadderSize("wrn-10-1", 2, 1, 1), "cpu")
+    workload.measure_rung(LADDER[3], LadderSize("wrn-10-1", 2, 1, 1), torch.device("cpu"))
     assert seen == [True] and torch.backends.cudnn.benchmark == before
 
 
 def test_without_gpus_the_graph_modes_are_dropped_with_a_message(capsys, monkeypatch):
-    from tutorial_utils import bench
 
     seen = {}
 
@@ -80,28 +83,16 @@ def test_without_gpus_the_graph_modes_are_dropped_with_a_message(capsys, monkeyp
     assert "no GPU: the CUDA-graph runs are skipped" in capsys.readouterr().out
 
 
-def test_copy_engine_runs_join_each_regime_on_gpus(monkeypatch):
-    from tutorial_utils import bench
-
-    flags_seen = []
-
-    def fake_step_graph(model, batch, n, repeats, device, flags=()):
-        flags_seen.append(tuple(flags))
-        return {"ddp_ms": 4.0 * batch / 64}
-
+def test_summary_names_every_regime_and_mode(monkeypatch):
     monkeypatch.setattr(bench, "require_gpus", lambda n: None)
     monkeypatch.setattr(bench, "single", lambda model, b, mode, r, d: bench.Run(
         "single", "1 GPU", mode, 1, b, 10.0 * b / 128))
     monkeypatch.setattr(bench, "ddp_run", lambda model, b, n, mode, r, regime, d: bench.Run(
-        regime, "DDP", mode, n, b, 8.0 * b / 64))
-    monkeypatch.setattr(bench, "time_step_graph", fake_step_graph)
-    runs = run("wrn-10-1", gpus=(2,), modes=("step graph",), data_parallel=False, device="cuda")
-    copy = {r.regime: r for r in runs if r.method == bench.COPY_ENGINE}
-    assert flags_seen == [bench.COPY_ENGINE_FLAGS] * 2
-    assert (copy["strong"].per_gpu_batch, copy["weak"].per_gpu_batch) == (64, 128)
-    assert copy["strong"].speedup == pytest.approx(10.0 / 4.0)  # 128 images: 10 ms on one GPU
-    assert copy["weak"].speedup == pytest.approx(2 * 10.0 / 8.0)
-    assert best_run(runs, "strong", bench.COPY_ENGINE) is copy["strong"]
-    without = run("wrn-10-1", gpus=(2,), modes=("step graph",), data_parallel=False,
-                  device="cuda", copy_engine=False)
-    assert all(r.method != bench.COPY_ENGINE for r in without)
+        regime, "DDP", mode, n, b, 8.0 * b / 64, predicted_ms=7.0 * b / 64))
+    runs = run("wrn-10-1", gpus=(2,), modes=("eager", "step graph"), data_parallel=False,
+               device="cuda")
+    out = bench.summary(runs, 128)
+    assert out["eager_ref_ms"] == pytest.approx(10.0) and out["batch_half"] == 64
+    assert out["weak_2_x"] == pytest.approx(2 * 10.0 / 16.0)  # 256 images in 16 ms vs 128 in 10
+    assert out["strong_2_whole_x"] == pytest.approx(10.0 / 8.0)
+    assert out["bench_n_max"] == 2 and out["strong_max_per_gpu"] == 64

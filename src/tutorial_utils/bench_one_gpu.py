@@ -100,12 +100,18 @@ def ladder_summary(results: list[RungResult], tflop: float) -> dict[str, float |
     out["cl_verdict"] = ("the GPU is waiting for the CPU" if launch_bound
                          else "the CPU stays ahead of the GPU")
     graphs_ms = graphs.timing.median_ms if graphs.timing else nan
-    saved_ms = eager.timing.median_ms - graphs_ms
-    first_s = graphs.first_step_ms / 1e3 if graphs.first_step_ms else nan
-    compiled_ms = compiled.timing.median_ms
-    out |= {"graphs_over_cl": eager.timing.median_ms / graphs_ms, "graphs_first_s": first_s,
-            "graphs_breakeven": first_s * 1e3 / saved_ms if saved_ms > 0 else nan,
-            "compile_over_cl": eager.timing.median_ms / compiled_ms,
+    first_ms = graphs.first_step_ms or nan
+    gain = eager.timing.median_ms / compiled.timing.median_ms
+    out |= {"graphs_over_cl": eager.timing.median_ms / graphs_ms, "graphs_first_s": first_ms / 1e3,
+            "graphs_breakeven": break_even_steps(first_ms, eager.timing.median_ms, graphs_ms),
+            "compile_over_cl": gain, "compile_verdict": "shortened" if gain > 1 else "lengthened",
             "compile_first_s": (compiled.first_step_ms or nan) / 1e3}
     return out
+
+
+def break_even_steps(first_ms: float, eager_ms: float, fast_ms: float) -> float:
+    """Steps after which a slow first step (compilation, capture) has paid for itself: the
+    extra first-step time over the time each later step saves (NaN if none is saved)."""
+    saved = eager_ms - fast_ms
+    return (first_ms - fast_ms) / saved if saved > 0 else float("nan")
 
