@@ -78,6 +78,29 @@ def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], 
     return rows, ddp
 
 
+def summary(rows: list[Row], ddp: dict, size: LadderSize) -> dict[str, float | str]:
+    """Flat summary for chapter 4's prose (NaN where a run was skipped)."""
+    nan = float("nan")
+    by_name = {r.name: r for r in rows}
+    best = min((r for r in rows if r.gpus == 1), key=lambda r: r.step_ms)
+    on, off = (by_name.get(f"DataParallel, cudnn.benchmark={flag}") for flag in (True, False))
+    n = ddp["world_size"]
+    out = {"dp_workload": f"{size.model.upper()}, {size.batch} images per GPU",
+           "best_single": best.name, "best_single_ms": best.step_ms, "n_gpus_dp": n,
+           "dp_on_over_off": on.step_ms / off.step_ms if on and off else nan}
+    for key, r in (("dp_on", on), ("dp_off", off)):
+        out |= {f"{key}_ms": r.step_ms if r else nan, f"{key}_x": r.speedup if r else nan}
+    return out | {
+        "ddp_ms": ddp["ddp_ms"], "ddp_x": ddp["measured_speedup"], "ddp_mode": ddp["mode"],
+        "nosync_ms": ddp["no_sync_ms"], "grad_mb": ddp["grad_bytes"] / 1e6,
+        "bus_gbps": ddp["bus_gbps"], "allreduce_ms": ddp["allreduce_ms"],
+        "pred_lo": ddp["predicted_speedup_no_overlap"],
+        "pred_hi": ddp["predicted_speedup_full_overlap"],
+        "exposed_ms": ddp["ddp_ms"] - ddp["no_sync_ms"],
+        "eager_ddp_ms": ddp["eager_ddp_ms"], "eager_nosync_ms": ddp["eager_no_sync_ms"],
+        "eager_ddp_x": n * best.step_ms / ddp["eager_ddp_ms"]}
+
+
 def table(rows: list[Row]) -> str:
     lines = [f"{'run':<36}{'GPUs':>5}{'step (ms)':>11}{'images/s':>10}{'vs best 1-GPU':>15}"]
     for r in rows:
