@@ -1,12 +1,16 @@
 """The stale-output check, both ways, and the executor's refusal to overwrite GPU outputs."""
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tutorial_utils import nbtools
+import tutorial_utils
+from tutorial_utils import launch, nbtools
 from tutorial_utils.nbtools import RefusedError, check_notebook, execute_notebook
 
 PACKAGE = Path(nbtools.__file__).resolve().parent
@@ -15,7 +19,7 @@ PACKAGE = Path(nbtools.__file__).resolve().parent
 @pytest.fixture
 def package_copy(tmp_path):
     """A copy of the package source to change without touching the real one."""
-    dst = tmp_path / "pkg"
+    dst = tmp_path / "src" / "tutorial_utils"  # importable with PYTHONPATH=tmp_path/src
     shutil.copytree(PACKAGE, dst, ignore=shutil.ignore_patterns("__pycache__"))
     return dst
 
@@ -102,3 +106,69 @@ def test_cli_exit_codes(notebook, package_copy, capsys):
     assert nbtools._main(["check", str(notebook)]) == 1
     err = capsys.readouterr().err
     assert "never been executed" in err and f'make execute NB="{notebook}"' in err
+
+
+# A notebook that starts a process running a module of the package copy, the way a chapter
+# runs `torchrun -m tutorial_utils.train`: the kernel itself never imports it.
+_LAUNCHING_CELL = """\
+import os, subprocess, sys
+env = {**os.environ, "PYTHONPATH": %r}
+print(subprocess.run([sys.executable, "-m", "tutorial_utils.worker_demo"], env=env,
+                     check=True, capture_output=True, text=True).stdout)
+"""
+
+
+def test_modules_of_launched_processes_are_checked_too(tmp_path, package_copy):
+    (package_copy / "worker_lib.py").write_text("ANSWER = 42\n")
+    (package_copy / "worker_demo.py").write_text(
+        "from tutorial_utils.worker_lib import ANSWER\nprint('worker says', ANSWER)\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(_LAUNCHING_CELL % str(package_copy.parent))]
+    path = tmp_path / "launching.ipynb"
+    nbformat.write(nb, path)
+
+    meta = execute_notebook(path, force=True, package_root=package_copy)
+    assert "worker says 42" in nbformat.read(path, as_version=4).cells[0].outputs[0]["text"]
+    assert {"tutorial_utils.worker_demo", "tutorial_utils.worker_lib"} <= set(
+        meta["package_modules"]), "the -m main module and what it imports are both recorded"
+    assert check_notebook(path, allow_cpu=True, package_root=package_copy) == []
+
+    worker = package_copy / "worker_lib.py"
+    worker.write_text("ANSWER = 42  # a change to the code behind the worker's output\n")
+    (finding,) = check_notebook(path, allow_cpu=True, package_root=package_copy)
+    assert finding.problem == "package modules it uses changed: tutorial_utils.worker_lib"
+
+    worker.write_text("ANSWER = 42\n")  # changed back: what made the outputs is there again
+    assert check_notebook(path, allow_cpu=True, package_root=package_copy) == []
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].source += "# edited\n"
+    nbformat.write(nb, path)
+    (finding,) = check_notebook(path, allow_cpu=True, package_root=package_copy)
+    assert finding.problem == "code cells changed since its outputs were made"
+
+
+def test_the_module_log_is_written_only_when_asked(tmp_path):
+    log = tmp_path / "modules.jsonl"
+    run = [sys.executable, "-c", "import tutorial_utils"]
+    subprocess.run(run, check=True, env={k: v for k, v in os.environ.items()
+                                         if k != nbtools.MODULE_LOG_VAR})
+    assert not log.exists()
+    for _ in range(2):  # appended, as by several workers
+        subprocess.run(run, check=True, env={**os.environ, nbtools.MODULE_LOG_VAR: str(log)})
+    with open(log, "a") as f:
+        f.write('["tutorial_utils.cut_sh')  # a writer killed mid-line
+    assert log.read_text().splitlines()[:2] == ['["tutorial_utils"]'] * 2
+    assert nbtools.logged_modules(log) == {"tutorial_utils"}
+
+
+def test_torchrun_logs_its_target_before_the_workers_start(tmp_path, monkeypatch):
+    log = tmp_path / "modules.jsonl"
+    monkeypatch.setattr(tutorial_utils, "_MODULE_LOG", str(log))
+
+    def no_launch(*args, **kwargs):
+        raise OSError("not launched in this test")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_launch)
+    with pytest.raises(OSError):
+        launch.torchrun("tutorial_utils.parallel.hang_demo")
+    assert nbtools.logged_modules(log) == {"tutorial_utils.parallel.hang_demo"}

@@ -3,8 +3,9 @@
 ``python -m tutorial_utils.nbtools execute NB...``
     Runs each notebook top to bottom in a fresh kernel and stores its outputs together with
     ``metadata.tutorial_utils``: the environment stamp, the size profile, a hash of the code
-    cells and a hash of every ``tutorial_utils`` module the kernel had imported. Refuses to
-    replace outputs made on a GPU with a run on a machine without one, unless ``--force``.
+    cells and a hash of every ``tutorial_utils`` module that the kernel or a process the
+    notebook started (torchrun's workers) imported. Refuses to replace outputs made on a GPU
+    with a run on a machine without one, unless ``--force``.
 
 ``python -m tutorial_utils.nbtools check NB...``
     Fails (exit 1), naming the notebook and what changed, when a notebook's code cells or the
@@ -17,13 +18,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
 METADATA_KEY = "tutorial_utils"
+MODULE_LOG_VAR = "TUTORIAL_MODULE_LOG"  # read by tutorial_utils/__init__.py
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
 # Run in the kernel after the last cell: which package modules did the notebook use, and on what.
@@ -76,20 +80,34 @@ def module_hashes(modules: list[str], package_root: Path) -> dict[str, str]:
     return out
 
 
+def logged_modules(log: Path) -> set[str]:
+    """Module names the notebook's processes wrote to ``log``, one JSON list per line."""
+    names: set[str] = set()
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            names.update(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a process killed while writing
+    return names
+
+
 def _run_probe_last(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> dict:
     from nbclient import NotebookClient
 
     nb.cells.append(nbformat.v4.new_code_cell(_PROBE))
-    try:
-        client = NotebookClient(
-            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
-        )
-        client.execute()
-        probe = nb.cells[-1]
-        text = "".join(o.get("text", "") for o in probe.outputs if o.output_type == "stream")
-        return json.loads(text.strip().splitlines()[-1])
-    finally:
-        nb.cells.pop()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "modules.jsonl"
+        try:
+            client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                    resources={"metadata": {"path": str(cwd)}})
+            client.execute(env={**os.environ, MODULE_LOG_VAR: str(log)})
+            cell = nb.cells[-1]
+            text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+            probe = json.loads(text.strip().splitlines()[-1])
+        finally:
+            nb.cells.pop()
+        probe["modules"] = sorted(set(probe["modules"]) | logged_modules(log))
+    return probe
 
 
 def execute_notebook(
