@@ -1,13 +1,18 @@
-"""The stale-output check, both ways, and the executor's refusal to overwrite GPU outputs."""
+"""The stale-output check, both ways, the pending notice, and the executor's refusal to
+overwrite GPU outputs."""
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from tutorial_utils import nbtools
-from tutorial_utils.nbtools import RefusedError, check_notebook, execute_notebook
+import tutorial_utils
+from tutorial_utils import launch, nbtools, pending
+from tutorial_utils.nbtools import RefusedError, check_notebook, execute_notebook, mark_pending
 
 PACKAGE = Path(nbtools.__file__).resolve().parent
 
@@ -15,7 +20,7 @@ PACKAGE = Path(nbtools.__file__).resolve().parent
 @pytest.fixture
 def package_copy(tmp_path):
     """A copy of the package source to change without touching the real one."""
-    dst = tmp_path / "pkg"
+    dst = tmp_path / "src" / "tutorial_utils"  # importable with PYTHONPATH=tmp_path/src
     shutil.copytree(PACKAGE, dst, ignore=shutil.ignore_patterns("__pycache__"))
     return dst
 
@@ -102,3 +107,218 @@ def test_cli_exit_codes(notebook, package_copy, capsys):
     assert nbtools._main(["check", str(notebook)]) == 1
     err = capsys.readouterr().err
     assert "never been executed" in err and f'make execute NB="{notebook}"' in err
+
+
+# A notebook that starts a process running a module of the package copy, the way a chapter
+# runs `torchrun -m tutorial_utils.train`: the kernel itself never imports it.
+_LAUNCHING_CELL = """\
+import os, subprocess, sys
+env = {**os.environ, "PYTHONPATH": %r}
+print(subprocess.run([sys.executable, "-m", "tutorial_utils.worker_demo"], env=env,
+                     check=True, capture_output=True, text=True).stdout)
+"""
+
+
+def test_modules_of_launched_processes_are_checked_too(tmp_path, package_copy):
+    (package_copy / "worker_lib.py").write_text("ANSWER = 42\n")
+    (package_copy / "worker_demo.py").write_text(
+        "from tutorial_utils.worker_lib import ANSWER\nprint('worker says', ANSWER)\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(_LAUNCHING_CELL % str(package_copy.parent))]
+    path = tmp_path / "launching.ipynb"
+    nbformat.write(nb, path)
+
+    meta = execute_notebook(path, force=True, package_root=package_copy)
+    assert "worker says 42" in nbformat.read(path, as_version=4).cells[0].outputs[0]["text"]
+    assert {"tutorial_utils.worker_demo", "tutorial_utils.worker_lib"} <= set(
+        meta["package_modules"]), "the -m main module and what it imports are both recorded"
+    assert check_notebook(path, allow_cpu=True, package_root=package_copy) == []
+
+    worker = package_copy / "worker_lib.py"
+    worker.write_text("ANSWER = 42  # a change to the code behind the worker's output\n")
+    (finding,) = check_notebook(path, allow_cpu=True, package_root=package_copy)
+    assert finding.problem == "package modules it uses changed: tutorial_utils.worker_lib"
+
+    worker.write_text("ANSWER = 42\n")  # changed back: what made the outputs is there again
+    assert check_notebook(path, allow_cpu=True, package_root=package_copy) == []
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[0].source += "# edited\n"
+    nbformat.write(nb, path)
+    (finding,) = check_notebook(path, allow_cpu=True, package_root=package_copy)
+    assert finding.problem == "code cells changed since its outputs were made"
+
+
+def test_the_module_log_is_written_only_when_asked(tmp_path):
+    log = tmp_path / "modules.jsonl"
+    run = [sys.executable, "-c", "import tutorial_utils"]
+    subprocess.run(run, check=True, env={k: v for k, v in os.environ.items()
+                                         if k != nbtools.MODULE_LOG_VAR})
+    assert not log.exists()
+    for _ in range(2):  # appended, as by several workers
+        subprocess.run(run, check=True, env={**os.environ, nbtools.MODULE_LOG_VAR: str(log)})
+    with open(log, "a") as f:
+        f.write('["tutorial_utils.cut_sh')  # a writer killed mid-line
+    assert log.read_text().splitlines()[:2] == ['["tutorial_utils"]'] * 2
+    assert nbtools.logged_modules(log) == {"tutorial_utils"}
+
+
+def test_torchrun_logs_its_target_before_the_workers_start(tmp_path, monkeypatch):
+    log = tmp_path / "modules.jsonl"
+    monkeypatch.setattr(tutorial_utils, "_MODULE_LOG", str(log))
+
+    def no_launch(*args, **kwargs):
+        raise OSError("not launched in this test")
+
+    monkeypatch.setattr(launch.subprocess, "Popen", no_launch)
+    with pytest.raises(OSError):
+        launch.torchrun("tutorial_utils.parallel.hang_demo")
+    assert nbtools.logged_modules(log) == {"tutorial_utils.parallel.hang_demo"}
+
+
+# --- the pending notice -----------------------------------------------------------------
+
+def _as_if_executed(path, package_root=PACKAGE, modules=("tutorial_utils", "tutorial_utils.toy")):
+    """Stamp ``path`` as a 2-GPU run would, without running it."""
+    nb = nbformat.read(path, as_version=4)
+    nb.metadata[nbtools.METADATA_KEY] = {
+        "code_sha256": nbtools.code_hash(nb),
+        "package_modules": nbtools.module_hashes(list(modules), package_root),
+        "profile": "full",
+        "stamp": {"gpu_count": 2, "gpu_names": ["NVIDIA H200"] * 2,
+                  "git_commit": "0123456789ab+dirty", "date_utc": "2026-11-30 13:31"},
+    }
+    nbformat.write(nb, path)
+
+
+def _notice(path):
+    nb = nbformat.read(path, as_version=4)
+    return nb.cells[0] if pending.notice_cells(nb) == [0] else None
+
+
+def test_the_notice_says_where_the_outputs_come_from_and_what_changed(notebook, package_copy):
+    _as_if_executed(notebook, package_copy)
+    code_before = nbtools.code_hash(nbformat.read(notebook, as_version=4))
+    with open(package_copy / "toy.py", "a") as f:
+        f.write("\n# moved here from elsewhere\n")
+    problems = mark_pending(notebook, gpus=2, reason="Code only moved: toy.py gained a comment.",
+                            package_root=package_copy)
+    assert problems == ["package modules it uses changed: tutorial_utils.toy"]
+
+    cell = _notice(notebook)
+    assert cell.cell_type == "markdown" and cell.source.startswith(":::{admonition}")
+    for words in ["commit `0123456789ab` with uncommitted changes", "2 x NVIDIA H200",
+                  "2026-11-30 13:31 UTC", "- package modules it uses changed: tutorial_utils.toy",
+                  "Code only moved: toy.py gained a comment.", "Re-execution on 2 GPUs is pending",
+                  f"`make execute NB={notebook.parent.name}/chapter.ipynb`"]:
+        assert words in cell.source
+    nb = nbformat.read(notebook, as_version=4)
+    assert nb.metadata[nbtools.METADATA_KEY]["pending"]["findings"] == problems
+    assert nbtools.code_hash(nb) == code_before, "the notice is not code"
+
+    (finding,) = check_notebook(notebook, package_root=package_copy)
+    assert finding.pending and finding.problem == problems[0]
+
+
+def test_check_passes_a_marked_notebook_and_fails_an_unmarked_one(notebook, capsys):
+    _as_if_executed(notebook)
+    _edit_code(notebook, "print('changed')")
+    assert nbtools._main(["check", str(notebook)]) == 1
+    assert "stale: " in capsys.readouterr().err
+    assert nbtools._main(["pending", str(notebook), "--gpus", "2",
+                          "--reason", "Code only moved."]) == 0
+    capsys.readouterr()
+    assert nbtools._main(["check", str(notebook)]) == 0
+    out = capsys.readouterr().out
+    assert f"pending: {notebook}: code cells changed since its outputs were made" in out
+    assert "0 notebook(s) fresh, 1 pending re-execution" in out
+
+
+def _edit_notice(nb):
+    nb.cells[0].source = nb.cells[0].source.replace("2 GPUs", "1 GPU")
+
+
+def _typed_notice(nb):
+    del nb.metadata[nbtools.METADATA_KEY]["pending"]
+
+
+def _moved_notice(nb):
+    nb.cells.insert(1, nb.cells.pop(0))
+
+
+@pytest.mark.parametrize("tamper, problem", [
+    (_edit_notice, "its pending notice differs from what `nbtools pending` wrote"),
+    (lambda nb: nb.cells.pop(0), "its pending notice cell was removed"),
+    (_typed_notice, "carries a pending notice that `nbtools pending` did not write"),
+    (_moved_notice, "its pending notice is not the notebook's one first cell"),
+])
+def test_a_hand_made_or_tampered_notice_does_not_count(notebook, tamper, problem):
+    _as_if_executed(notebook)
+    _edit_code(notebook, "print('changed')")
+    mark_pending(notebook, gpus=2)
+    nb = nbformat.read(notebook, as_version=4)
+    tamper(nb)
+    nbformat.write(nb, notebook)
+    findings = check_notebook(notebook)
+    assert not any(f.pending for f in findings)
+    assert any(f.problem.startswith(problem) for f in findings), findings
+
+
+def test_a_notice_covers_only_the_findings_it_records(notebook, package_copy):
+    _as_if_executed(notebook, package_copy)
+    _edit_code(notebook, "print('changed')")
+    mark_pending(notebook, gpus=2, package_root=package_copy)
+    with open(package_copy / "toy.py", "a") as f:
+        f.write("\n# a later change\n")
+    problems = [f.problem for f in check_notebook(notebook, package_root=package_copy)]
+    assert "its pending notice is out of date: it records 'code cells changed since its " \
+           "outputs were made'" in problems
+    assert mark_pending(notebook, gpus=2, package_root=package_copy) == [
+        "code cells changed since its outputs were made",
+        "package modules it uses changed: tutorial_utils.toy",
+    ]
+    assert all(f.pending for f in check_notebook(notebook, package_root=package_copy))
+
+
+def test_a_notice_on_a_fresh_notebook_fails_and_pending_removes_it(notebook):
+    _as_if_executed(notebook)
+    original = nbformat.read(notebook, as_version=4).cells[1].source
+    _edit_code(notebook, "print('changed')")
+    mark_pending(notebook, gpus=2)
+    nb = nbformat.read(notebook, as_version=4)
+    nb.cells[2].source = original  # the code change is undone
+    nbformat.write(nb, notebook)
+    (finding,) = check_notebook(notebook)
+    assert finding.problem == "is fresh but still carries a pending notice"
+    assert mark_pending(notebook, gpus=2) == []
+    assert _notice(notebook) is None and check_notebook(notebook) == []
+
+
+def test_a_never_executed_notebook_may_be_marked_and_execute_removes_the_notice(
+    notebook, package_copy
+):
+    assert mark_pending(notebook, gpus=2, package_root=package_copy) == [
+        "has never been executed by `make execute`"]
+    assert "has never been executed on a GPU machine" in _notice(notebook).source
+    (finding,) = check_notebook(notebook, package_root=package_copy)
+    assert finding.pending
+
+    execute_notebook(notebook, force=True, package_root=package_copy)
+    nb = nbformat.read(notebook, as_version=4)
+    assert _notice(notebook) is None and len(nb.cells) == 2
+    assert "pending" not in nb.metadata[nbtools.METADATA_KEY]
+    assert check_notebook(notebook, allow_cpu=True, package_root=package_copy) == []
+
+
+def test_the_notice_survives_nbval(notebook, tmp_path):
+    _as_if_executed(notebook)
+    _edit_code(notebook, "print('changed')")
+    mark_pending(notebook, gpus=2, reason="Code only moved.")
+    before = notebook.read_bytes()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--nbval-lax",
+         "--rootdir", str(tmp_path), str(notebook)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
+    assert notebook.read_bytes() == before
+    assert all(f.pending for f in check_notebook(notebook))

@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import _log_modules
+
 _PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 # torchrun's --tee, reading a rank's log while it is written, can tag a line mid-way too.
 _TEE_TAG = re.compile(r"\[default\d+\]:")
@@ -125,6 +127,10 @@ def torchrun(
     if metrics_file is not None:
         metrics_file.unlink(missing_ok=True)
     program = [target] if target.endswith(".py") else ["-m", target]
+    if not target.endswith(".py"):
+        # Logged now as well as by each worker at exit: a worker killed by a signal (NCCL's
+        # watchdog aborts it) writes nothing, and the check must still cover its code.
+        _log_modules([target])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *torchrun_args,
         f"--nproc_per_node={nproc}", "--tee=3", *program, *args,

@@ -3,13 +3,18 @@
 ``python -m tutorial_utils.nbtools execute NB...``
     Runs each notebook top to bottom in a fresh kernel and stores its outputs together with
     ``metadata.tutorial_utils``: the environment stamp, the size profile, a hash of the code
-    cells and a hash of every ``tutorial_utils`` module the kernel had imported. Refuses to
-    replace outputs made on a GPU with a run on a machine without one, unless ``--force``.
+    cells and a hash of every ``tutorial_utils`` module that the kernel or a process the
+    notebook started (torchrun's workers) imported; drops a pending notice. Refuses to replace
+    outputs made on a GPU with a run on a machine without one, unless ``--force``.
 
 ``python -m tutorial_utils.nbtools check NB...``
     Fails (exit 1), naming the notebook and what changed, when a notebook's code cells or the
     package modules it used differ from what its stored outputs were made with, or when its
-    outputs were not made on a GPU.
+    outputs were not made on a GPU; passes (printing ``pending:``) a stale notebook that
+    carries the pending notice written for exactly those findings.
+
+``python -m tutorial_utils.nbtools pending NB... --gpus N [--reason TEXT]``
+    Writes that notice at the top of each stale notebook (``tutorial_utils.pending``).
 """
 
 from __future__ import annotations
@@ -17,13 +22,18 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-METADATA_KEY = "tutorial_utils"
+from . import pending
+
+METADATA_KEY = pending.METADATA_KEY
+MODULE_LOG_VAR = "TUTORIAL_MODULE_LOG"  # read by tutorial_utils/__init__.py
 PACKAGE_ROOT = Path(__file__).resolve().parent
 
 # Run in the kernel after the last cell: which package modules did the notebook use, and on what.
@@ -47,6 +57,7 @@ class RefusedError(RuntimeError):
 class Finding:
     notebook: Path
     problem: str
+    pending: bool = False  # acknowledged by the notebook's pending notice
 
     def __str__(self) -> str:
         return f"{self.notebook}: {self.problem}"
@@ -76,20 +87,34 @@ def module_hashes(modules: list[str], package_root: Path) -> dict[str, str]:
     return out
 
 
+def logged_modules(log: Path) -> set[str]:
+    """Module names the notebook's processes wrote to ``log``, one JSON list per line."""
+    names: set[str] = set()
+    for line in log.read_text().splitlines() if log.exists() else []:
+        try:
+            names.update(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a process killed while writing
+    return names
+
+
 def _run_probe_last(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> dict:
     from nbclient import NotebookClient
 
     nb.cells.append(nbformat.v4.new_code_cell(_PROBE))
-    try:
-        client = NotebookClient(
-            nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
-        )
-        client.execute()
-        probe = nb.cells[-1]
-        text = "".join(o.get("text", "") for o in probe.outputs if o.output_type == "stream")
-        return json.loads(text.strip().splitlines()[-1])
-    finally:
-        nb.cells.pop()
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "modules.jsonl"
+        try:
+            client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                    resources={"metadata": {"path": str(cwd)}})
+            client.execute(env={**os.environ, MODULE_LOG_VAR: str(log)})
+            cell = nb.cells[-1]
+            text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
+            probe = json.loads(text.strip().splitlines()[-1])
+        finally:
+            nb.cells.pop()
+        probe["modules"] = sorted(set(probe["modules"]) | logged_modules(log))
+    return probe
 
 
 def execute_notebook(
@@ -105,6 +130,7 @@ def execute_notebook(
             f"{path} holds outputs from a GPU run ({previous['stamp']['gpu_names'][0]}); "
             "this machine has no GPU. Run on a GPU machine, or pass --force (make execute FORCE=1)"
         )
+    pending.remove(nb)  # it describes the outputs this run replaces
     probe = _run_probe_last(nb, path.parent, timeout)
     meta = {
         "code_sha256": code_hash(nb),
@@ -117,62 +143,106 @@ def execute_notebook(
     return meta
 
 
+def stale_problems(nb: nbformat.NotebookNode, allow_cpu: bool, package_root: Path) -> list[str]:
+    """Everything that makes the stored outputs of ``nb`` stale (empty when fresh)."""
+    meta = nb.metadata.get(METADATA_KEY, {})
+    if not pending.executed(meta):
+        return ["has never been executed by `make execute`"]
+    problems = []
+    if meta.get("code_sha256") != code_hash(nb):
+        problems.append("code cells changed since its outputs were made")
+    recorded = meta.get("package_modules", {})
+    now = module_hashes(list(recorded), package_root)
+    if changed := [m for m, h in now.items() if recorded[m] != h]:
+        problems.append(f"package modules it uses changed: {', '.join(changed)}")
+    if not allow_cpu and meta.get("stamp", {}).get("gpu_count", 0) == 0:
+        problems.append("its outputs come from a run without a GPU")
+    return problems
+
+
 def check_notebook(
     path: Path, *, allow_cpu: bool = False, package_root: Path = PACKAGE_ROOT
 ) -> list[Finding]:
-    """Everything that makes the stored outputs of ``path`` stale (empty when fresh)."""
+    """What makes ``path`` stale (empty when fresh); ``pending`` where its notice owns up."""
     nb = nbformat.read(path, as_version=4)
-    meta = nb.metadata.get(METADATA_KEY)
-    if not meta:
-        return [Finding(path, "has never been executed by `make execute`")]
-    findings = []
-    if meta.get("code_sha256") != code_hash(nb):
-        findings.append(Finding(path, "code cells changed since its outputs were made"))
-    recorded = meta.get("package_modules", {})
-    now = module_hashes(list(recorded), package_root)
-    changed = [m for m, h in now.items() if recorded[m] != h]
-    if changed:
-        findings.append(Finding(path, f"package modules it uses changed: {', '.join(changed)}"))
-    if not allow_cpu and meta.get("stamp", {}).get("gpu_count", 0) == 0:
-        findings.append(Finding(path, "its outputs come from a run without a GPU"))
-    return findings
+    problems = stale_problems(nb, allow_cpu, package_root)
+    if not pending.present(nb):
+        return [Finding(path, p) for p in problems]
+    # The notice records the strict findings (a CPU run counts), whatever --allow-cpu says.
+    notice = pending.problems(nb, path, stale_problems(nb, False, package_root))
+    return [Finding(path, p, pending=not notice) for p in problems + notice]
 
 
-def _main(argv: list[str] | None = None) -> int:
+def mark_pending(
+    path: Path, *, gpus: int, reason: str = "", package_root: Path = PACKAGE_ROOT
+) -> list[str]:
+    """Write (or refresh) the pending notice of ``path``; remove it if ``path`` is fresh."""
+    nb = nbformat.read(path, as_version=4)
+    if problems := stale_problems(nb, False, package_root):
+        pending.mark(nb, path, problems, gpus, reason)
+    else:
+        pending.remove(nb)
+    nbformat.write(nb, path)
+    return problems
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tutorial_utils.nbtools", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="execute notebooks in place and stamp them")
-    ex.add_argument("notebooks", nargs="+", type=Path)
     ex.add_argument("--force", action="store_true", help="allow a CPU run to replace GPU outputs")
     ex.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
-    ck = sub.add_parser("check", help="fail if stored outputs are stale")
-    ck.add_argument("notebooks", nargs="+", type=Path)
+    ck = sub.add_parser("check", help="fail if stored outputs are stale and not marked pending")
     ck.add_argument("--allow-cpu", action="store_true", help="accept outputs from a CPU run")
-    args = parser.parse_args(argv)
+    pd = sub.add_parser("pending", help="mark stale notebooks as awaiting re-execution on GPUs")
+    pd.add_argument("--gpus", type=int, required=True, help="GPUs the re-execution needs")
+    pd.add_argument("--reason", default="", help='shown in the notice, e.g. "code only moved"')
+    for p in (ex, ck, pd):
+        p.add_argument("notebooks", nargs="+", type=Path)
+    return parser
 
-    if args.command == "execute":
-        for path in args.notebooks:
-            print(f"executing {path} ...", flush=True)
-            try:
-                meta = execute_notebook(path, force=args.force, timeout=args.timeout)
-            except RefusedError as err:
-                print(f"refused: {err}", file=sys.stderr)
-                return 2
-            hw = meta["stamp"]["gpu_count"], meta["stamp"]["gpu_names"]
-            print(f"  done: profile={meta['profile']} gpus={hw[0]} {sorted(set(hw[1]))}")
-        return 0
 
+def _execute(args: argparse.Namespace) -> int:
+    for path in args.notebooks:
+        print(f"executing {path} ...", flush=True)
+        try:
+            meta = execute_notebook(path, force=args.force, timeout=args.timeout)
+        except RefusedError as err:
+            print(f"refused: {err}", file=sys.stderr)
+            return 2
+        hw = meta["stamp"]["gpu_count"], meta["stamp"]["gpu_names"]
+        print(f"  done: profile={meta['profile']} gpus={hw[0]} {sorted(set(hw[1]))}")
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
     findings = [f for p in args.notebooks for f in check_notebook(p, allow_cpu=args.allow_cpu)]
     for f in findings:
-        print(f"stale: {f}", file=sys.stderr)
-    if findings:
-        stale = sorted({str(f.notebook) for f in findings})
-        fix = f"make execute NB=\"{' '.join(stale)}\""
-        print(f"re-execute on a GPU machine: {fix}", file=sys.stderr)
+        print(f"{'pending' if f.pending else 'stale'}: {f}", file=sys.stdout if f.pending
+              else sys.stderr)
+    if stale := sorted({str(f.notebook) for f in findings if not f.pending}):
+        print(f"re-execute on a GPU machine: make execute NB=\"{' '.join(stale)}\"\n"
+              "or, until that can run, mark them: python -m tutorial_utils.nbtools pending "
+              "NB... --gpus N --reason TEXT", file=sys.stderr)
         return 1
-    print(f"{len(args.notebooks)} notebook(s) fresh")
+    held = len({f.notebook for f in findings})
+    print(f"{len(args.notebooks) - held} notebook(s) fresh"
+          + (f", {held} pending re-execution" if held else ""))
     return 0
+
+
+def _pending(args: argparse.Namespace) -> int:
+    for path in args.notebooks:
+        problems = mark_pending(path, gpus=args.gpus, reason=args.reason)
+        print(f"{path}: pending on {args.gpus} GPU(s): {'; '.join(problems)}" if problems
+              else f"{path}: fresh, no notice needed (an old one is removed)")
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"execute": _execute, "check": _check, "pending": _pending}[args.command](args)
 
 
 if __name__ == "__main__":
