@@ -46,6 +46,31 @@ class TrainingRun:
         return self.start.get("compile_warmup_s", 0.0)
 
 
+@dataclass(frozen=True)
+class Plan:
+    """Where a chapter's runs go on this machine, and what it cannot run here."""
+
+    device: str  # "cuda" or "cpu"
+    profile: str  # the size profile the runs use
+    counts: list[int]  # process counts to compare, 1 first
+    note: str  # what the machine leaves out, for the first cell's output
+
+    @property
+    def units(self) -> tuple[str, str]:
+        return ("GPU", "GPUs") if self.device == "cuda" else ("CPU process", "CPU processes")
+
+
+def plan(n_gpus: int, profile: str) -> Plan:
+    """One GPU runs the single-GPU rows on the GPU at ``profile``; without a GPU, two CPU
+    processes run everything at the smoke size (mechanics, not numbers)."""
+    if n_gpus == 0:
+        return Plan("cpu", "smoke", [1, 2], "no GPU: CPU processes at the smoke size")
+    if n_gpus == 1:
+        return Plan("cuda", profile, [1], "one GPU: the multi-GPU rows need 2 GPUs and are "
+                    "left out")
+    return Plan("cuda", profile, [1] + [n for n in (2, 4, 8) if n <= n_gpus], "")
+
+
 def train(processes: int, cfg: TrainConfig, label: str = "", timeout_s: float = 1800,
           echo: bool = False) -> TrainingRun:
     """Run the training entry point with ``cfg`` in ``processes`` processes; its records."""
@@ -85,6 +110,23 @@ COLUMNS = (Column("label", "run", width=32, left=True), Column("batch", "batch/p
            Column("first", "epoch 1 s", ".2f"), Column("later", "later s", ".2f", 9),
            Column("train", "train s", ".1f", 9), Column("speedup", "speed-up", ".2f", 10),
            Column("acc", "test acc", ".2%"))
+
+
+def scaling_summary(runs: list[TrainingRun]) -> dict[str, float | int | str]:
+    """Chapter 5's glue for the post's recipe on 1..N processes (NaN without a second run)."""
+    one, multi = runs[0], runs[1:]
+    top = multi[-1] if multi else None
+    nan = math.nan
+    accs = [r.final_acc for r in runs]
+    return {"data_name": one.start["data"], "epochs": len(one.epochs), "t_1": one.train_s,
+            "acc_1": one.final_acc * 100, "first_epoch_1": one.epochs[0]["epoch_time_s"],
+            "steady_1": one.steady_epoch_s, "n_max": top.processes if top else 1,
+            "t_max": top.train_s if top else nan,
+            "x_max": one.train_s / top.train_s if top else nan,
+            "steady_x_max": one.steady_epoch_s / top.steady_epoch_s if top else nan,
+            "acc_max": top.final_acc * 100 if top else nan,
+            "x_2": one.train_s / multi[0].train_s if multi else nan,
+            "acc_spread": (max(accs) - min(accs)) * 100}
 
 
 def runs_table(runs: list[TrainingRun], reference: TrainingRun) -> str:
