@@ -21,7 +21,12 @@ from tutorial_utils.data import (
     synthetic_cifar10,
 )
 
-SHARED_TARBALL = Path(__file__).resolve().parents[2] / "shared/data/cifar10-jpeg.tar.gz"
+# ../shared beside the main checkout; a worktree sits one or more folders deeper
+SHARED_TARBALL = next(
+    (p / "shared/data/cifar10-jpeg.tar.gz" for p in Path(__file__).resolve().parents[1:]
+     if (p / "shared/data/cifar10-jpeg.tar.gz").exists()),
+    Path("shared/data/cifar10-jpeg.tar.gz"),
+)
 
 
 @pytest.fixture
