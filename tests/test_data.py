@@ -11,15 +11,12 @@ from tutorial_utils import data as data_mod
 from tutorial_utils.data import (
     CLASSES,
     DataError,
-    DeviceLoader,
-    dataloader,
     decode_image_folder,
     load_cifar10,
     load_image_folder,
-    normalize,
-    random_crop_flip,
     synthetic_cifar10,
 )
+from tutorial_utils.loaders import DeviceLoader, dataloader, normalize, random_crop_flip
 
 # ../shared beside the main checkout; a worktree sits one or more folders deeper
 SHARED_TARBALL = next(
