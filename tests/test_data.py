@@ -1,3 +1,4 @@
+import shutil
 import tarfile
 import urllib.error
 from pathlib import Path
@@ -39,6 +40,24 @@ def image_tree(tmp_path):
     return root
 
 
+def tar_of(tree: Path, path: Path) -> Path:
+    """``tree`` packed as ``cifar/...`` into ``path``, compressed if it ends in .gz."""
+    with tarfile.open(path, "w:gz" if path.suffix == ".gz" else "w") as tar:
+        tar.add(tree, arcname="cifar")
+    return path
+
+
+def data_error(source: Path, tmp_path: Path, *words: str) -> str:
+    """The one-line DataError that loading ``source`` gives; it contains every word."""
+    with pytest.raises(DataError) as err:
+        load_cifar10(str(source), cache_dir=tmp_path / "cache")
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    for word in words:
+        assert word in msg, msg
+    return msg
+
+
 def test_synthetic_is_labelled_as_such():
     d = synthetic_cifar10(100, 20)
     assert d.synthetic and "synthetic" in d.name
@@ -74,8 +93,8 @@ def test_slice_of_the_jpeg_copy(tmp_path):
 
 
 def test_folder_without_images_is_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="no train/<class>"):
-        decode_image_folder(tmp_path)
+    (tmp_path / "empty").mkdir()
+    data_error(tmp_path / "empty", tmp_path, "train/ missing", "test/ missing")
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
@@ -157,3 +176,67 @@ def test_classic_dataloader_yields_uint8_batches():
 def test_cache_write_is_atomic(image_tree, tmp_path):
     load_image_folder(image_tree, cache_dir=tmp_path)
     assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []
+
+
+def test_a_file_that_is_no_archive_is_named(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a tarball\n")
+    data_error(notes, tmp_path, str(notes), "not a .tar", "--data")
+
+
+def test_an_empty_file_is_named(tmp_path):
+    empty = tmp_path / "cifar.tar.gz"
+    empty.touch()
+    data_error(empty, tmp_path, str(empty), "empty", "again")
+
+
+@pytest.mark.parametrize("name", ["c.tar.gz", "c.tar"])
+def test_a_truncated_archive_is_named(image_tree, tmp_path, name):
+    whole = tar_of(image_tree, tmp_path / name).read_bytes()
+    cut = tmp_path / f"cut-{name}"
+    cut.write_bytes(whole[: len(whole) // 2])
+    data_error(cut, tmp_path, str(cut), "truncated", "again")
+
+
+def test_a_tar_cut_between_two_members_is_truncated_too(image_tree, tmp_path):
+    tarball = tar_of(image_tree, tmp_path / "c.tar")
+    with tarfile.open(tarball) as tar:
+        last = tar.getmembers()[-1]  # the second image of a class: every class is still there
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(tarball.read_bytes()[: last.offset])
+    data_error(cut, tmp_path, str(cut), "truncated")
+
+
+def test_a_damaged_image_in_a_good_archive_is_named(image_tree, tmp_path):
+    png = image_tree / "train/cat/0001.png"
+    png.write_bytes(png.read_bytes()[:60])
+    tarball = tar_of(image_tree, tmp_path / "c.tar.gz")
+    data_error(tarball, tmp_path, str(tarball), "cifar/train/cat/0001.png", "replace or remove")
+
+
+def test_an_image_of_another_size_is_named(image_tree, tmp_path):
+    Image.fromarray(np.zeros((28, 32, 3), np.uint8)).save(image_tree / "test/dog/0000.png")
+    data_error(image_tree, tmp_path, "test/dog/0000.png", "32x28", "32x32")
+
+
+def test_a_damaged_cache_is_rebuilt_silently(image_tree, tmp_path, monkeypatch):
+    first = load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
+    for cache in (tmp_path / "cache").iterdir():
+        cache.write_bytes(cache.read_bytes()[:300])
+    again = load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
+    assert torch.equal(again.train_x, first.train_x) and torch.equal(again.test_y, first.test_y)
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("cache not rebuilt"))
+    load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
+
+
+def test_a_missing_or_misspelled_class_is_named(image_tree, tmp_path):
+    shutil.rmtree(image_tree / "test/ship")
+    (image_tree / "train/truck").rename(image_tree / "train/trucks")
+    msg = data_error(image_tree, tmp_path, str(image_tree), "test/ship missing",
+                     "train/truck missing")
+    assert "trucks" in msg  # the misspelt folder, among those found
+
+
+def test_a_missing_split_is_named(image_tree, tmp_path):
+    shutil.rmtree(image_tree / "test")
+    data_error(tar_of(image_tree, tmp_path / "c.tar.gz"), tmp_path, "c.tar.gz", "test/ missing")

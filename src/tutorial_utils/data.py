@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +28,17 @@ from .loaders import DeviceLoader, dataloader, normalize, random_crop_flip
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+_AGAIN = "copy or download it again"
+_PASS = "pass --data an image-folder tree, a .tar/.tar.gz of one, or a torchvision-layout folder"
 __all__ = ["CLASSES", "Cifar10", "DataError", "DeviceLoader", "dataloader", "load_cifar10",
            "normalize", "random_crop_flip", "synthetic_cifar10"]
 
 
 class DataError(RuntimeError):
-    """No usable dataset; the message lists what to do."""
+    """No usable dataset; the message, one line, names the culprit and says what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # causes quoted in it may span lines
 
 
 @dataclass(frozen=True)
@@ -80,55 +87,100 @@ def _from_torchvision(root: Path, download: bool) -> Cifar10:
 
 
 def _split_member(name: str) -> tuple[str, str] | None:
-    """``.../train/cat/0001.jpg`` -> ("train", "cat"), or None for anything else."""
+    """``.../train/cat/0001.jpg`` -> ("train", "cat"), any class name; None if not an image."""
     parts = Path(name).parts
     if len(parts) < 3 or Path(name).suffix.lower() not in IMAGE_SUFFIXES:
         return None
-    split, cls = parts[-3], parts[-2]
-    return (split, cls) if split in ("train", "test") and cls in CLASSES else None
+    return (parts[-3], parts[-2]) if parts[-3] in ("train", "test") else None
 
 
-def _image_files(source: Path) -> Iterator[tuple[str, tuple[str, str], Callable[[], bytes]]]:
-    """(name, (split, class), read) for every CIFAR image in a folder or tarball.
+def _open_tar(source: Path) -> tarfile.TarFile:
+    if source.stat().st_size == 0:
+        raise DataError(f"{source} is empty; {_AGAIN}")
+    try:
+        return tarfile.open(source)
+    except tarfile.ReadError:
+        raise DataError(f"{source} is not a .tar or .tar.gz archive; {_PASS}") from None
 
-    Bytes are read only when asked for, so a ``limit_per_class`` skips the decoding work.
-    """
+
+def _entries(source: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
+    """(path inside, read) for every file of a folder or tarball."""
     if source.is_dir():
         for f in sorted(source.rglob("*")):
-            key = _split_member(str(f))
-            if key and f.is_file():
-                yield str(f.relative_to(source)), key, f.read_bytes
+            if f.is_file():
+                yield str(f.relative_to(source)), f.read_bytes
         return
-    with tarfile.open(source) as tar:  # streamed once, in archive order
+    with _open_tar(source) as tar:  # streamed once, in archive order
         for member in tar:
-            key = _split_member(member.name)
-            if key and member.isfile():
-                yield member.name, key, tar.extractfile(member).read
+            if member.isfile():
+                yield member.name, tar.extractfile(member).read
+        # tarfile stops quietly where a cut falls between two members; a whole archive ends
+        # in a zero block, which the loop has just read
+        if tar.fileobj.tell() < tar.offset + tarfile.BLOCKSIZE:
+            raise tarfile.ReadError("it ends before its end-of-archive marker")
+
+
+def _collect(source: Path, limit: int | None) -> dict[tuple[str, str], list[tuple[str, bytes]]]:
+    """(where, bytes) by (split, class), where = a path or ``archive:member`` for messages.
+
+    Beyond ``limit`` per class the bytes are not even read.
+    """
+    found: dict[tuple[str, str], list[tuple[str, bytes]]] = {}
+    is_dir = source.is_dir()
+    try:
+        for name, read in _entries(source):
+            key = _split_member(name)
+            if key is not None:
+                images = found.setdefault(key, [])
+                if limit is None or len(images) < limit:
+                    where = str(source / name) if is_dir else f"{source}:{name}"
+                    images.append((where, read()))
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
+        raise DataError(f"{source} is truncated or unreadable ({err}); {_AGAIN}") from None
+    return found
+
+
+def _check_classes(source: Path, found: dict[tuple[str, str], list]) -> None:
+    """All ten classes in both splits, or an error naming what is missing and what was found."""
+    problems = []
+    for split in ("train", "test"):
+        have = sorted(cls for s, cls in found if s == split)
+        missing = [f"{split}/{c}" for c in CLASSES if c not in have]
+        if not have:
+            problems.append(f"{split}/ missing")
+        elif missing:
+            problems.append(f"{', '.join(missing)} missing (found {', '.join(have)})")
+    if problems:
+        raise DataError(
+            f"{source}: {'; '.join(problems)}; it needs train/<class>/ and test/<class>/ "
+            f"folders of .png or .jpg images for all ten classes: {', '.join(CLASSES)}"
+        )
+
+
+def _decode(name: str, payload: bytes) -> np.ndarray:
+    """One image as 32 x 32 x 3 uint8; a broken or odd-sized one is named."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(payload)) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except Exception as err:  # PIL reports broken files as OSError, SyntaxError, ValueError...
+        raise DataError(f"{name} is not a readable image ({err}); replace or remove it") from None
+    if pixels.shape != (32, 32, 3):
+        h, w = pixels.shape[:2]
+        raise DataError(f"{name} is {w}x{h}, not 32x32 like CIFAR-10; resize or remove it")
+    return pixels
 
 
 def decode_image_folder(source: Path, limit_per_class: int | None = None) -> Cifar10:
     """Decode ``{train,test}/<class>/*`` from a folder or tarball (class order = CLASSES)."""
-    from PIL import Image
-
-    found: dict[str, list[tuple[str, int, bytes]]] = {"train": [], "test": []}
-    counts: dict[tuple[str, str], int] = {}
-    for name, key, read in _image_files(source):
-        if limit_per_class is not None and counts.get(key, 0) >= limit_per_class:
-            continue
-        counts[key] = counts.get(key, 0) + 1
-        found[key[0]].append((name, CLASSES.index(key[1]), read()))
-    if not found["train"] or not found["test"]:
-        raise DataError(
-            f"{source} holds no train/<class>/*.jpg|png and test/<class>/* images; "
-            "point --data at an image-folder tree or tarball of CIFAR-10"
-        )
+    found = _collect(source, limit_per_class)
+    _check_classes(source, found)
     arrays = []
     for split in ("train", "test"):
-        items = sorted(found[split], key=lambda t: (t[1], t[0]))
-        images = np.stack([np.asarray(Image.open(io.BytesIO(p)).convert("RGB")) for *_, p in items])
-        if images.shape[1:] != (32, 32, 3):
-            raise DataError(f"{source}: images must be 32x32 RGB, found {images.shape[1:3]}")
-        arrays += [_hwc_to_chw(images), torch.tensor([c for _, c, _ in items])]
+        items = [(c, *item) for c, cls in enumerate(CLASSES) for item in sorted(found[split, cls])]
+        images = np.stack([_decode(name, payload) for _, name, payload in items])
+        arrays += [_hwc_to_chw(images), torch.tensor([c for c, *_ in items])]
     return Cifar10(*arrays, name=f"CIFAR-10 image folder ({source.name})")
 
 
@@ -139,15 +191,24 @@ def _cache_path(source: Path, cache_dir: Path | None, limit: int | None) -> Path
     return folder / f".{source.name}.{key.hexdigest()[:16]}.npz"
 
 
+def _read_cache(path: Path) -> list[torch.Tensor] | None:
+    """The four cached arrays; None when missing or damaged, so the caller decodes again."""
+    try:
+        with np.load(path) as z:
+            parts = [torch.from_numpy(z[k]) for k in ("train_x", "train_y", "test_x", "test_y")]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+    return parts
+
+
 def load_image_folder(
     source: Path, cache_dir: Path | None = None, limit_per_class: int | None = None
 ) -> Cifar10:
     """:func:`decode_image_folder`, cached: the 60,000 JPEGs are decoded once."""
     cache = _cache_path(source, cache_dir, limit_per_class)
-    if cache.exists():
-        with np.load(cache) as z:
-            parts = [torch.from_numpy(z[k]) for k in ("train_x", "train_y", "test_x", "test_y")]
-        return Cifar10(*parts, name=f"CIFAR-10 image folder ({source.name})")
+    cached = _read_cache(cache)
+    if cached is not None:
+        return Cifar10(*cached, name=f"CIFAR-10 image folder ({source.name})")
     data = decode_image_folder(source, limit_per_class)
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_suffix(".tmp.npz")
