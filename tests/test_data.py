@@ -1,3 +1,4 @@
+import os
 import shutil
 import tarfile
 import urllib.error
@@ -82,6 +83,47 @@ def test_tarball_equals_tree_and_is_cached(image_tree, tmp_path, monkeypatch):
     monkeypatch.setattr(data_mod, "decode_image_folder", lambda *a: pytest.fail("not cached"))
     again = load_image_folder(tarball, cache_dir=tmp_path / "cache")
     assert torch.equal(again.test_x, first.test_x) and torch.equal(again.test_y, first.test_y)
+
+
+def no_decoding(monkeypatch):
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("decoded again"))
+
+
+def test_a_second_load_of_a_folder_decodes_nothing(image_tree, monkeypatch):
+    first = load_cifar10(str(image_tree))  # the cache goes into the folder itself
+    no_decoding(monkeypatch)
+    again = load_cifar10(str(image_tree))
+    assert torch.equal(again.train_x, first.train_x) and torch.equal(again.test_y, first.test_y)
+
+
+def test_a_changed_image_is_decoded_again(image_tree, tmp_path):
+    load_cifar10(str(image_tree), cache_dir=tmp_path)
+    Image.fromarray(np.full((32, 32, 3), 201, np.uint8)).save(image_tree / "test/cat/0000.png")
+    d = load_cifar10(str(image_tree), cache_dir=tmp_path)
+    assert d.test_x[CLASSES.index("cat"), 0, 0, 0] == 201
+
+
+def test_loads_racing_to_write_the_cache_all_succeed(image_tree, tmp_path, monkeypatch):
+    real_replace = os.replace
+
+    def another_load_first(src, dst):  # a second rank loads start to finish in between
+        monkeypatch.setattr(os, "replace", real_replace)
+        load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", another_load_first)
+    d = load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
+    assert d.train_x.shape == (20, 3, 32, 32)
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # one cache, no temporary files left
+    no_decoding(monkeypatch)
+    load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
+
+
+def test_an_unwritable_cache_folder_only_costs_the_cache(image_tree, tmp_path):
+    (tmp_path / "taken").write_text("a file where the cache folder would go")
+    with pytest.warns(UserWarning, match="taken"):
+        d = load_cifar10(str(image_tree), cache_dir=tmp_path / "taken")
+    assert d.test_x.shape == (10, 3, 32, 32)
 
 
 @pytest.mark.skipif(not SHARED_TARBALL.exists(), reason="no shared JPEG copy")
@@ -173,11 +215,6 @@ def test_classic_dataloader_yields_uint8_batches():
     assert batches[0][0].dtype == torch.uint8
 
 
-def test_cache_write_is_atomic(image_tree, tmp_path):
-    load_image_folder(image_tree, cache_dir=tmp_path)
-    assert [p.name for p in tmp_path.iterdir() if "tmp" in p.name] == []
-
-
 def test_a_file_that_is_no_archive_is_named(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("not a tarball\n")
@@ -225,7 +262,7 @@ def test_a_damaged_cache_is_rebuilt_silently(image_tree, tmp_path, monkeypatch):
         cache.write_bytes(cache.read_bytes()[:300])
     again = load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
     assert torch.equal(again.train_x, first.train_x) and torch.equal(again.test_y, first.test_y)
-    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("cache not rebuilt"))
+    no_decoding(monkeypatch)
     load_cifar10(str(image_tree), cache_dir=tmp_path / "cache")
 
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
+import tempfile
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -28,6 +31,7 @@ from .loaders import DeviceLoader, dataloader, normalize, random_crop_flip
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+_ARRAYS = ("train_x", "train_y", "test_x", "test_y")
 _AGAIN = "copy or download it again"
 _PASS = "pass --data an image-folder tree, a .tar/.tar.gz of one, or a torchvision-layout folder"
 __all__ = ["CLASSES", "Cifar10", "DataError", "DeviceLoader", "dataloader", "load_cifar10",
@@ -185,20 +189,44 @@ def decode_image_folder(source: Path, limit_per_class: int | None = None) -> Cif
 
 
 def _cache_path(source: Path, cache_dir: Path | None, limit: int | None) -> Path:
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{limit}".encode())
-    folder = cache_dir or (source.parent if source.is_file() else source)
-    return folder / f".{source.name}.{key.hexdigest()[:16]}.npz"
+    """Keyed on every image's size and mtime in a folder (the folder's own mtime moves whenever
+    a cache is written into it), on the tarball's for a tarball."""
+    if source.is_dir():
+        images = (f for f in sorted(source.rglob("*")) if _split_member(str(f.relative_to(source))))
+        stamp = "|".join(f"{f.relative_to(source)}:{s.st_size}:{s.st_mtime_ns}"
+                         for f, s in ((f, f.stat()) for f in images))
+    else:
+        stamp = f"{source.stat().st_size}:{source.stat().st_mtime_ns}"
+    key = hashlib.sha256(f"{source.resolve()}|{limit}|{stamp}".encode()).hexdigest()[:16]
+    folder = cache_dir or (source if source.is_dir() else source.parent)
+    return folder / f".{source.name}.{key}.npz"
 
 
 def _read_cache(path: Path) -> list[torch.Tensor] | None:
     """The four cached arrays; None when missing or damaged, so the caller decodes again."""
     try:
         with np.load(path) as z:
-            parts = [torch.from_numpy(z[k]) for k in ("train_x", "train_y", "test_x", "test_y")]
+            return [torch.from_numpy(z[k]) for k in _ARRAYS]
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
         return None
-    return parts
+
+
+def _write_cache(path: Path, data: Cifar10) -> None:
+    """Under a unique temporary name, then renamed: several ranks may write it at once."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **{k: getattr(data, k).numpy() for k in _ARRAYS})
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+            os.replace(tmp, path)  # readers see no cache or a whole one, never part of one
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as err:  # e.g. a read-only folder: decoding again next time beats failing
+        warnings.warn(f"not caching the decoded images in {path.parent} ({err}); "
+                      "pass a writable cache_dir to keep them", stacklevel=3)
 
 
 def load_image_folder(
@@ -210,11 +238,7 @@ def load_image_folder(
     if cached is not None:
         return Cifar10(*cached, name=f"CIFAR-10 image folder ({source.name})")
     data = decode_image_folder(source, limit_per_class)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp.npz")
-    np.savez(tmp, train_x=data.train_x.numpy(), train_y=data.train_y.numpy(),
-             test_x=data.test_x.numpy(), test_y=data.test_y.numpy())
-    tmp.replace(cache)  # atomic: a concurrent reader sees the old state or the whole file
+    _write_cache(cache, data)
     return data
 
 
