@@ -1,4 +1,5 @@
 import os
+import pickle
 import shutil
 import tarfile
 import urllib.error
@@ -9,13 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from tutorial_utils import data as data_mod
 from tutorial_utils.data import (
     CLASSES,
     DataError,
-    decode_image_folder,
     load_cifar10,
-    load_image_folder,
     synthetic_cifar10,
 )
 from tutorial_utils.loaders import DeviceLoader, dataloader, normalize, random_crop_flip
@@ -48,10 +46,10 @@ def tar_of(tree: Path, path: Path) -> Path:
     return path
 
 
-def data_error(source: Path, tmp_path: Path, *words: str) -> str:
+def data_error(source: Path | str, tmp_path: Path, *words: str) -> str:
     """The one-line DataError that loading ``source`` gives; it contains every word."""
     with pytest.raises(DataError) as err:
-        load_cifar10(str(source), cache_dir=tmp_path / "cache")
+        load_cifar10(source, cache_dir=tmp_path / "cache")
     msg = str(err.value)
     assert "\n" not in msg, msg
     for word in words:
@@ -66,27 +64,31 @@ def test_synthetic_is_labelled_as_such():
     assert d.test_y.shape == (20,)
 
 
-def test_image_folder_tree_decodes_in_class_order(image_tree):
-    d = decode_image_folder(image_tree)
+def test_image_folder_tree_decodes_in_class_order(image_tree, tmp_path):
+    d = load_cifar10(image_tree, cache_dir=tmp_path)
     assert not d.synthetic
     assert d.train_x.shape == (20, 3, 32, 32) and d.test_x.shape == (10, 3, 32, 32)
     assert d.train_y.tolist() == [c for c in range(10) for _ in range(2)]
     assert d.train_x[2:4, 0, 0, 0].tolist() == [20, 21]  # class 1, images 0 and 1
 
 
-def test_tarball_equals_tree_and_is_cached(image_tree, tmp_path, monkeypatch):
-    tarball = tmp_path / "c.tar.gz"
-    with tarfile.open(tarball, "w:gz") as tar:
-        tar.add(image_tree, arcname="cifar")
-    first = load_image_folder(tarball, cache_dir=tmp_path / "cache")
-    assert torch.equal(first.train_x, decode_image_folder(image_tree).train_x)
-    monkeypatch.setattr(data_mod, "decode_image_folder", lambda *a: pytest.fail("not cached"))
-    again = load_image_folder(tarball, cache_dir=tmp_path / "cache")
+def no_decoding(monkeypatch):
+    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("decoded again"))
+
+
+@pytest.mark.parametrize("name", ["c.tar.gz", "c.tar"])
+def test_tarball_equals_tree_and_is_cached(image_tree, tmp_path, monkeypatch, name):
+    tarball = tar_of(image_tree, tmp_path / name)
+    first = load_cifar10(tarball, cache_dir=tmp_path / "cache")
+    assert torch.equal(first.train_x, load_cifar10(image_tree, cache_dir=tmp_path).train_x)
+    no_decoding(monkeypatch)
+    again = load_cifar10(tarball, cache_dir=tmp_path / "cache")
     assert torch.equal(again.test_x, first.test_x) and torch.equal(again.test_y, first.test_y)
 
 
-def no_decoding(monkeypatch):
-    monkeypatch.setattr(Image, "open", lambda *a, **k: pytest.fail("decoded again"))
+def test_limit_per_class_keeps_the_first_images(image_tree, tmp_path):
+    d = load_cifar10(image_tree, 1, tmp_path)
+    assert d.train_y.tolist() == list(range(10)) and d.train_x[:, 0, 0, 0].tolist()[:2] == [0, 20]
 
 
 def test_a_second_load_of_a_folder_decodes_nothing(image_tree, monkeypatch):
@@ -140,20 +142,59 @@ def test_folder_without_images_is_a_clear_error(tmp_path):
 
 
 def test_missing_path_is_a_clear_error(tmp_path):
-    with pytest.raises(DataError, match="no such file or folder"):
-        load_cifar10(str(tmp_path / "nope.tar.gz"))
+    data_error(tmp_path / "nope.tar.gz", tmp_path, "nope.tar.gz", "no such file or folder")
 
 
-def test_offline_without_data_names_the_options(tmp_path, monkeypatch):
+def test_synthetic_only_when_asked():
+    assert load_cifar10("synthetic").synthetic
+
+
+def torchvision_layout(root: Path, n: int = 20) -> Path:
+    """A small ``cifar-10-batches-py`` under ``root``: batch b holds n images of value b."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for b, name in enumerate([f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]):
+        batch = {"data": np.full((n, 3072), b, np.uint8), "labels": [k % 10 for k in range(n)]}
+        (folder / name).write_bytes(pickle.dumps(batch))
+    (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": list(CLASSES)}))
+    return root
+
+
+@pytest.fixture
+def unverified(monkeypatch):
+    """torchvision checks its files' MD5 sums, which a stand-in copy cannot match."""
+    monkeypatch.setattr("torchvision.datasets.cifar.check_integrity", lambda *a, **k: True)
+    monkeypatch.setattr("torchvision.datasets.CIFAR10.download",
+                        lambda self: pytest.fail("downloaded although present"))
+
+
+def test_auto_takes_torchvisions_copy_under_data(tmp_path, monkeypatch, unverified):
+    torchvision_layout(tmp_path / "data")
+    monkeypatch.chdir(tmp_path)
+    d = load_cifar10()
+    assert d.train_x.shape == (100, 3, 32, 32) and d.test_x.shape == (20, 3, 32, 32)
+    assert d.test_x.unique().tolist() == [5] and not d.synthetic
+
+
+def test_a_torchvision_layout_folder_is_a_source(tmp_path, unverified):
+    d = load_cifar10(torchvision_layout(tmp_path / "elsewhere"))
+    assert d.train_y.tolist()[:12] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1]
+
+
+def test_a_damaged_torchvision_folder_is_named(tmp_path):
+    (tmp_path / "tv/cifar-10-batches-py").mkdir(parents=True)
+    data_error(tmp_path / "tv", tmp_path, "tv/cifar-10-batches-py", "download")
+
+
+def test_auto_offline_without_data_says_what_to_pass(tmp_path, monkeypatch):
     def offline(*args, **kwargs):
         raise urllib.error.URLError("no network")
 
     monkeypatch.setattr("torchvision.datasets.CIFAR10.download", offline)
-    with pytest.raises(DataError) as err:
-        load_cifar10("auto", data_dir=tmp_path, download=True)
-    msg = str(err.value)
-    assert "downloading into" in msg and "failed (URLError)" in msg
-    assert "--data-dir" in msg and "--data PATH" in msg and "--data synthetic" in msg
+    monkeypatch.chdir(tmp_path)
+    msg = data_error("auto", tmp_path, str(tmp_path / "data"), "URLError", "--data", "tarball",
+                     "download")
+    assert "--data-dir" not in msg  # the option is gone
 
 
 def test_crop_and_flip_match_a_per_image_reference():

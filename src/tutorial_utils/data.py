@@ -1,13 +1,9 @@
-"""CIFAR-10 from wherever it is.
+"""CIFAR-10 from wherever it is (:func:`load_cifar10`); the loaders are in :mod:`.loaders`.
 
-Sources (:func:`load_cifar10`):
-
-- a torchvision-layout folder (``cifar-10-batches-py``), downloaded into it first if allowed;
-- an image-folder tree or tarball ``{train,test}/<class>/*.{png,jpg}``, decoded once and
+- torchvision's layout (``cifar-10-batches-py``), in ./data (downloaded there) or a given folder;
+- an image-folder tree ``{train,test}/<class>/*.{png,jpg}`` or a tarball of one, decoded once and
   cached as a ``.npz`` beside it (or in ``cache_dir``);
 - ``synthetic``: random CIFAR-shaped data, only when asked for, always labelled as such.
-
-The loaders live in :mod:`tutorial_utils.loaders`; they are re-exported here for older imports.
 """
 
 from __future__ import annotations
@@ -27,15 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .loaders import DeviceLoader, dataloader, normalize, random_crop_flip
+# re-exported: older code imports the loaders from here
+from .loaders import DeviceLoader, dataloader, normalize, random_crop_flip  # noqa: F401
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _ARRAYS = ("train_x", "train_y", "test_x", "test_y")
 _AGAIN = "copy or download it again"
-_PASS = "pass --data an image-folder tree, a .tar/.tar.gz of one, or a torchvision-layout folder"
-__all__ = ["CLASSES", "Cifar10", "DataError", "DeviceLoader", "dataloader", "load_cifar10",
-           "normalize", "random_crop_flip", "synthetic_cifar10"]
+_PASS = "pass --data an image-folder tree or a tarball of one, or a torchvision-layout folder"
 
 
 class DataError(RuntimeError):
@@ -79,15 +74,21 @@ def synthetic_cifar10(n_train: int = 5000, n_test: int = 1000, seed: int = 0) ->
 
 
 def _from_torchvision(root: Path, download: bool) -> Cifar10:
+    """torchvision's copy under ``root``; with ``download``, fetched there first if missing."""
     from torchvision.datasets import CIFAR10
 
-    train = CIFAR10(str(root), train=True, download=download)
-    test = CIFAR10(str(root), train=False, download=download)
-    return Cifar10(
-        _hwc_to_chw(train.data), torch.tensor(train.targets),
-        _hwc_to_chw(test.data), torch.tensor(test.targets),
-        name=f"CIFAR-10 ({root})",
-    )
+    try:
+        train = CIFAR10(str(root), train=True, download=download)
+        test = CIFAR10(str(root), train=False)
+    except (OSError, RuntimeError, EOFError, tarfile.TarError) as err:  # URLError: an OSError
+        why = f"{type(err).__name__}: {err}"
+        raise DataError(
+            f"no CIFAR-10 in {root.resolve()} and downloading it there failed ({why}); {_PASS} "
+            "(e.g. cifar10-jpeg.tar.gz), or download it there first while online" if download
+            else f"{root / 'cifar-10-batches-py'} is incomplete or damaged ({why}); delete it "
+            f"and download it again, or {_PASS}") from None
+    return Cifar10(_hwc_to_chw(train.data), torch.tensor(train.targets),
+                   _hwc_to_chw(test.data), torch.tensor(test.targets), name=f"CIFAR-10 ({root})")
 
 
 def _split_member(name: str) -> tuple[str, str] | None:
@@ -98,15 +99,6 @@ def _split_member(name: str) -> tuple[str, str] | None:
     return (parts[-3], parts[-2]) if parts[-3] in ("train", "test") else None
 
 
-def _open_tar(source: Path) -> tarfile.TarFile:
-    if source.stat().st_size == 0:
-        raise DataError(f"{source} is empty; {_AGAIN}")
-    try:
-        return tarfile.open(source)
-    except tarfile.ReadError:
-        raise DataError(f"{source} is not a .tar or .tar.gz archive; {_PASS}") from None
-
-
 def _entries(source: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
     """(path inside, read) for every file of a folder or tarball."""
     if source.is_dir():
@@ -114,7 +106,13 @@ def _entries(source: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
             if f.is_file():
                 yield str(f.relative_to(source)), f.read_bytes
         return
-    with _open_tar(source) as tar:  # streamed once, in archive order
+    if source.stat().st_size == 0:
+        raise DataError(f"{source} is empty; {_AGAIN}")
+    try:
+        tar = tarfile.open(source)
+    except tarfile.ReadError:
+        raise DataError(f"{source} is not a .tar or .tar.gz archive; {_PASS}") from None
+    with tar:  # streamed once, in archive order
         for member in tar:
             if member.isfile():
                 yield member.name, tar.extractfile(member).read
@@ -125,10 +123,7 @@ def _entries(source: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
 
 
 def _collect(source: Path, limit: int | None) -> dict[tuple[str, str], list[tuple[str, bytes]]]:
-    """(where, bytes) by (split, class), where = a path or ``archive:member`` for messages.
-
-    Beyond ``limit`` per class the bytes are not even read.
-    """
+    """(path or archive:member, bytes) by (split, class); beyond ``limit`` none are read."""
     found: dict[tuple[str, str], list[tuple[str, bytes]]] = {}
     is_dir = source.is_dir()
     try:
@@ -155,10 +150,8 @@ def _check_classes(source: Path, found: dict[tuple[str, str], list]) -> None:
         elif missing:
             problems.append(f"{', '.join(missing)} missing (found {', '.join(have)})")
     if problems:
-        raise DataError(
-            f"{source}: {'; '.join(problems)}; it needs train/<class>/ and test/<class>/ "
-            f"folders of .png or .jpg images for all ten classes: {', '.join(CLASSES)}"
-        )
+        raise DataError(f"{source}: {'; '.join(problems)}; it needs train/<class>/ and "
+                        f"test/<class>/ folders of .png or .jpg images for {', '.join(CLASSES)}")
 
 
 def _decode(name: str, payload: bytes) -> np.ndarray:
@@ -176,7 +169,7 @@ def _decode(name: str, payload: bytes) -> np.ndarray:
     return pixels
 
 
-def decode_image_folder(source: Path, limit_per_class: int | None = None) -> Cifar10:
+def _decode_image_folder(source: Path, limit_per_class: int | None) -> Cifar10:
     """Decode ``{train,test}/<class>/*`` from a folder or tarball (class order = CLASSES)."""
     found = _collect(source, limit_per_class)
     _check_classes(source, found)
@@ -221,53 +214,36 @@ def _write_cache(path: Path, data: Cifar10) -> None:
                 np.savez(f, **{k: getattr(data, k).numpy() for k in _ARRAYS})
             os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
             os.replace(tmp, path)  # readers see no cache or a whole one, never part of one
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        finally:
+            Path(tmp).unlink(missing_ok=True)  # gone already unless something failed
     except OSError as err:  # e.g. a read-only folder: decoding again next time beats failing
         warnings.warn(f"not caching the decoded images in {path.parent} ({err}); "
                       "pass a writable cache_dir to keep them", stacklevel=3)
 
 
-def load_image_folder(
-    source: Path, cache_dir: Path | None = None, limit_per_class: int | None = None
-) -> Cifar10:
-    """:func:`decode_image_folder`, cached: the 60,000 JPEGs are decoded once."""
-    cache = _cache_path(source, cache_dir, limit_per_class)
-    cached = _read_cache(cache)
-    if cached is not None:
-        return Cifar10(*cached, name=f"CIFAR-10 image folder ({source.name})")
-    data = decode_image_folder(source, limit_per_class)
-    _write_cache(cache, data)
-    return data
-
-
 def load_cifar10(
-    source: str = "auto",
-    data_dir: Path = Path("data"),
-    download: bool = True,
-    cache_dir: Path | None = None,
-    limit_per_class: int | None = None,
+    source: str | Path = "auto", limit_per_class: int | None = None, cache_dir: Path | None = None
 ) -> Cifar10:
-    """Find CIFAR-10. ``source``: ``auto``, ``torchvision``, ``synthetic`` or a folder/tarball."""
+    """CIFAR-10 from ``source``; ``limit_per_class`` and ``cache_dir`` serve image folders.
+
+    ``source``: ``auto`` (torchvision's copy in ./data, downloaded when missing), ``synthetic``,
+    a torchvision-layout folder, an image-folder tree, or a .tar/.tar.gz of one.
+    """
     if source == "synthetic":
         return synthetic_cifar10()
-    if source not in ("auto", "torchvision"):
-        path = Path(source)
-        if not path.exists():
-            raise DataError(f"--data {source}: no such file or folder")
-        return load_image_folder(path, cache_dir, limit_per_class)
-    if (data_dir / "cifar-10-batches-py").is_dir():
-        return _from_torchvision(data_dir, download=False)
-    if download:
-        try:
-            return _from_torchvision(data_dir, download=True)
-        except (OSError, RuntimeError) as err:  # URLError is an OSError
-            reason = f"downloading into {data_dir} failed ({type(err).__name__})"
-    else:
-        reason = f"no CIFAR-10 in {data_dir} and downloading is off"
-    raise DataError(
-        f"{reason}; use --data-dir DIR with the torchvision layout, "
-        "--data PATH to an image-folder tree or tarball (e.g. cifar10-jpeg.tar.gz), "
-        "or --data synthetic for made-up data"
-    )
+    path = Path("data") if source == "auto" else Path(source)
+    if path.name == "cifar-10-batches-py":
+        path = path.parent
+    if (path / "cifar-10-batches-py").is_dir():
+        return _from_torchvision(path, download=False)
+    if source == "auto":
+        return _from_torchvision(path, download=True)
+    if not path.exists():
+        raise DataError(f"--data {source}: no such file or folder; {_PASS}")
+    cache = _cache_path(path, cache_dir, limit_per_class)
+    cached = _read_cache(cache)
+    if cached is not None:
+        return Cifar10(*cached, name=f"CIFAR-10 image folder ({path.name})")
+    data = _decode_image_folder(path, limit_per_class)
+    _write_cache(cache, data)
+    return data
