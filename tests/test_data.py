@@ -318,3 +318,31 @@ def test_a_missing_or_misspelled_class_is_named(image_tree, tmp_path):
 def test_a_missing_split_is_named(image_tree, tmp_path):
     shutil.rmtree(image_tree / "test")
     data_error(tar_of(image_tree, tmp_path / "c.tar.gz"), tmp_path, "c.tar.gz", "test/ missing")
+
+
+def test_dataloader_augments_by_seed_epoch_and_sample_alone():
+    x = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8,
+                      generator=torch.Generator().manual_seed(0))
+    y = torch.arange(64)
+
+    def batches(loader, epoch):
+        loader.set_epoch(epoch)
+        return [(xb.clone(), yb.clone()) for xb, yb in loader]
+
+    def same(a, b):
+        return all(torch.equal(p, q) for pa, pb in zip(a, b, strict=True)
+                   for p, q in zip(pa, pb, strict=True))
+
+    def by_sample(batches):
+        xs, ys = map(torch.cat, zip(*batches, strict=True))
+        return xs[ys.argsort()]
+
+    def make(workers):
+        return dataloader(x, y, 16, seed=7, workers=workers, pin_memory=False)
+
+    inline, workers = make(0), make(2)
+    first = batches(inline, 0)
+    assert same(batches(workers, 0), first)
+    second = batches(workers, 1)  # the same (persistent) worker processes, one epoch on
+    assert same(batches(inline, 1), second) and same(batches(make(2), 1), second)  # resumed
+    assert not torch.equal(by_sample(first), by_sample(second))  # new crops and flips

@@ -2,15 +2,18 @@
 
 :class:`DeviceLoader` keeps the uint8 images on the training device (150 MB for all of CIFAR-10)
 and crops and flips whole batches there, so no CPU worker sits on the critical path;
-:func:`dataloader` is the classic ``DataLoader`` + ``DistributedSampler`` route.
+:func:`dataloader` is the classic ``DataLoader`` + ``DistributedSampler`` route, its crops and
+flips a function of (seed, epoch, sample) so that a resumed run repeats them.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data.distributed import DistributedSampler
 
 MEAN = (0.4914, 0.4822, 0.4465)  # the official training-set statistics
 STD = (0.2470, 0.2435, 0.2616)
@@ -93,30 +96,49 @@ class DeviceLoader:
 
 
 class _AugmentedImages(torch.utils.data.Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, crop_pad: int) -> None:
-        self.x, self.y, self.crop_pad = x, y, crop_pad
+    """Crops and flips drawn from (seed, epoch, sample index) alone, so that they repeat exactly
+    on resuming, whatever the number of worker processes."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, crop_pad: int, seed: int) -> None:
+        self.x, self.y, self.crop_pad, self.seed = x, y, crop_pad, seed
+        self.epoch = 0
 
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_crop_flip(self.x[i : i + 1], pad=self.crop_pad)[0], self.y[i]
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # the sampler sends (epoch, index): persistent workers keep their own copy of this
+        # dataset, which set_epoch in the main process never reaches
+        epoch, i = item if isinstance(item, tuple) else (self.epoch, item)
+        key = hashlib.blake2b(f"{self.seed},{epoch},{i}".encode(), digest_size=8).digest()
+        g = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+        return random_crop_flip(self.x[i : i + 1], g, self.crop_pad)[0], self.y[i]
+
+
+class _EpochSampler(DistributedSampler):
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return ((self.epoch, i) for i in super().__iter__())
+
+
+class _EpochLoader(torch.utils.data.DataLoader):
+    def set_epoch(self, epoch: int) -> None:
+        """A new shuffle and new crops and flips."""
+        self.sampler.set_epoch(epoch)
+        self.dataset.epoch = epoch
 
 
 def dataloader(x: torch.Tensor, y: torch.Tensor, batch: int, *, rank: int = 0,
                world_size: int = 1, seed: int = 0, workers: int = 4,
-               pin_memory: bool = True, crop_pad: int = 4) -> torch.utils.data.DataLoader:
+               pin_memory: bool = True, crop_pad: int = 4) -> _EpochLoader:
     """The classic training route: CPU workers augment single images, a sampler shards them.
 
     Batches are uint8; the training loop copies them to the GPU and normalises them there.
-    Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle.
+    Call ``loader.set_epoch(epoch)`` (or ``loader.sampler.set_epoch``) before each epoch.
     """
-    from torch.utils.data.distributed import DistributedSampler
-
-    dataset = _AugmentedImages(x, y, crop_pad)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=True)
-    return torch.utils.data.DataLoader(
+    dataset = _AugmentedImages(x, y, crop_pad, seed)
+    sampler = _EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                            seed=seed, drop_last=True)
+    return _EpochLoader(
         dataset, batch_size=batch, sampler=sampler, num_workers=workers,
         pin_memory=pin_memory, drop_last=True, persistent_workers=workers > 0,
     )
