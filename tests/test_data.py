@@ -10,12 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tutorial_utils.data import (
-    CLASSES,
-    DataError,
-    load_cifar10,
-    synthetic_cifar10,
-)
+from tutorial_utils.data import CLASSES, DataError, load_cifar10, synthetic_cifar10
 from tutorial_utils.loaders import DeviceLoader, dataloader, normalize, random_crop_flip
 
 # ../shared beside the main checkout; a worktree sits one or more folders deeper
@@ -197,65 +192,6 @@ def test_auto_offline_without_data_says_what_to_pass(tmp_path, monkeypatch):
     assert "--data-dir" not in msg  # the option is gone
 
 
-def test_crop_and_flip_match_a_per_image_reference():
-    x = torch.randint(0, 256, (6, 3, 8, 8), dtype=torch.uint8)
-    out = random_crop_flip(x, torch.Generator().manual_seed(3), pad=2)
-    g = torch.Generator().manual_seed(3)  # the same draws, in the same order
-    dy = torch.randint(0, 5, (6, 1, 1), generator=g).flatten()
-    dx = torch.randint(0, 5, (6, 1, 1), generator=g).flatten()
-    flip = (torch.rand(6, 1, 1, generator=g) < 0.5).flatten()
-    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
-    for i in range(6):
-        crop = padded[i, :, dy[i] : dy[i] + 8, dx[i] : dx[i] + 8]
-        expected = crop.flip(-1) if flip[i] else crop
-        assert torch.equal(out[i], expected)
-    assert out.dtype == torch.uint8 and out.shape == x.shape
-
-
-def test_device_loader_shards_one_permutation_across_ranks():
-    x = torch.arange(100, dtype=torch.uint8).view(100, 1, 1, 1).expand(100, 3, 32, 32)
-    y = torch.arange(100)
-    seen = []
-    for rank in range(2):
-        loader = DeviceLoader(x, y, 16, device=torch.device("cpu"), rank=rank, world_size=2)
-        loader.set_epoch(1)
-        labels = torch.cat([b[1] for b in loader])
-        assert len(loader) == 3 and len(labels) == 48
-        seen.append(set(labels.tolist()))
-    assert not seen[0] & seen[1]
-
-
-def test_device_loader_without_crop_padding_only_mirrors():
-    x = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
-    loader = DeviceLoader(x, torch.arange(32), 32, device=torch.device("cpu"), crop_pad=0)
-    ((xb, yb),) = list(loader)
-    originals = normalize(x[yb])
-    same = [torch.equal(a, b) for a, b in zip(xb, originals, strict=True)]
-    mirrored = [torch.equal(a, b.flip(-1)) for a, b in zip(xb, originals, strict=True)]
-    assert all(s or m for s, m in zip(same, mirrored, strict=True))
-    assert 0 < sum(same) < 32
-
-
-def test_device_loader_eval_covers_every_sample_once():
-    x = torch.zeros(103, 3, 32, 32, dtype=torch.uint8)
-    y = torch.arange(103)
-    labels = []
-    for rank in range(3):
-        loader = DeviceLoader(x, y, 10, device=torch.device("cpu"), rank=rank, world_size=3,
-                              train=False)
-        labels += torch.cat([b[1] for b in loader]).tolist()
-    assert sorted(labels) == list(range(103))
-
-
-def test_classic_dataloader_yields_uint8_batches():
-    d = synthetic_cifar10(64, 8)
-    loader = dataloader(d.train_x, d.train_y, 16, rank=1, world_size=2, workers=0,
-                        pin_memory=False)
-    batches = list(loader)
-    assert len(batches) == 2 and batches[0][0].shape == (16, 3, 32, 32)
-    assert batches[0][0].dtype == torch.uint8
-
-
 def test_a_file_that_is_no_archive_is_named(tmp_path):
     notes = tmp_path / "notes.txt"
     notes.write_text("not a tarball\n")
@@ -318,6 +254,65 @@ def test_a_missing_or_misspelled_class_is_named(image_tree, tmp_path):
 def test_a_missing_split_is_named(image_tree, tmp_path):
     shutil.rmtree(image_tree / "test")
     data_error(tar_of(image_tree, tmp_path / "c.tar.gz"), tmp_path, "c.tar.gz", "test/ missing")
+
+
+def test_crop_and_flip_match_a_per_image_reference():
+    x = torch.randint(0, 256, (6, 3, 8, 8), dtype=torch.uint8)
+    out = random_crop_flip(x, torch.Generator().manual_seed(3), pad=2)
+    g = torch.Generator().manual_seed(3)  # the same draws, in the same order
+    dy = torch.randint(0, 5, (6, 1, 1), generator=g).flatten()
+    dx = torch.randint(0, 5, (6, 1, 1), generator=g).flatten()
+    flip = (torch.rand(6, 1, 1, generator=g) < 0.5).flatten()
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2))
+    for i in range(6):
+        crop = padded[i, :, dy[i] : dy[i] + 8, dx[i] : dx[i] + 8]
+        expected = crop.flip(-1) if flip[i] else crop
+        assert torch.equal(out[i], expected)
+    assert out.dtype == torch.uint8 and out.shape == x.shape
+
+
+def test_device_loader_shards_one_permutation_across_ranks():
+    x = torch.arange(100, dtype=torch.uint8).view(100, 1, 1, 1).expand(100, 3, 32, 32)
+    y = torch.arange(100)
+    seen = []
+    for rank in range(2):
+        loader = DeviceLoader(x, y, 16, device=torch.device("cpu"), rank=rank, world_size=2)
+        loader.set_epoch(1)
+        labels = torch.cat([b[1] for b in loader])
+        assert len(loader) == 3 and len(labels) == 48
+        seen.append(set(labels.tolist()))
+    assert not seen[0] & seen[1]
+
+
+def test_device_loader_without_crop_padding_only_mirrors():
+    x = torch.randint(0, 256, (32, 3, 8, 8), dtype=torch.uint8)
+    loader = DeviceLoader(x, torch.arange(32), 32, device=torch.device("cpu"), crop_pad=0)
+    ((xb, yb),) = list(loader)
+    originals = normalize(x[yb])
+    same = [torch.equal(a, b) for a, b in zip(xb, originals, strict=True)]
+    mirrored = [torch.equal(a, b.flip(-1)) for a, b in zip(xb, originals, strict=True)]
+    assert all(s or m for s, m in zip(same, mirrored, strict=True))
+    assert 0 < sum(same) < 32
+
+
+def test_device_loader_eval_covers_every_sample_once():
+    x = torch.zeros(103, 3, 32, 32, dtype=torch.uint8)
+    y = torch.arange(103)
+    labels = []
+    for rank in range(3):
+        loader = DeviceLoader(x, y, 10, device=torch.device("cpu"), rank=rank, world_size=3,
+                              train=False)
+        labels += torch.cat([b[1] for b in loader]).tolist()
+    assert sorted(labels) == list(range(103))
+
+
+def test_classic_dataloader_yields_uint8_batches():
+    d = synthetic_cifar10(64, 8)
+    loader = dataloader(d.train_x, d.train_y, 16, rank=1, world_size=2, workers=0,
+                        pin_memory=False)
+    batches = list(loader)
+    assert len(batches) == 2 and batches[0][0].shape == (16, 3, 32, 32)
+    assert batches[0][0].dtype == torch.uint8
 
 
 def test_dataloader_augments_by_seed_epoch_and_sample_alone():
