@@ -1,38 +1,43 @@
-"""CIFAR-10 from wherever it is, and two ways to feed it to a training loop.
+"""CIFAR-10 from wherever it is (:func:`load_cifar10`); the loaders are in :mod:`.loaders`.
 
-Sources (:func:`load_cifar10`):
-
-- a torchvision-layout folder (``cifar-10-batches-py``), downloaded into it first if allowed;
-- an image-folder tree or tarball ``{train,test}/<class>/*.{png,jpg}``, decoded once and
+- torchvision's layout (``cifar-10-batches-py``), in ./data (downloaded there) or a given folder;
+- an image-folder tree ``{train,test}/<class>/*.{png,jpg}`` or a tarball of one, decoded once and
   cached as a ``.npz`` beside it (or in ``cache_dir``);
 - ``synthetic``: random CIFAR-shaped data, only when asked for, always labelled as such.
-
-Loaders: :class:`DeviceLoader` keeps the uint8 images on the training device (150 MB for all
-of CIFAR-10) and crops and flips whole batches there, so no CPU worker sits on the critical
-path; :func:`dataloader` is the classic ``DataLoader`` + ``DistributedSampler`` route.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
+import tempfile
+import warnings
+import zipfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+# re-exported: older code imports the loaders from here
+from .loaders import DeviceLoader, dataloader, normalize, random_crop_flip  # noqa: F401
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-MEAN = (0.4914, 0.4822, 0.4465)  # the official training-set statistics
-STD = (0.2470, 0.2435, 0.2616)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+_ARRAYS = ("train_x", "train_y", "test_x", "test_y")
+_AGAIN = "copy or download it again"
+_PASS = "pass --data an image-folder tree or a tarball of one, or a torchvision-layout folder"
 
 
 class DataError(RuntimeError):
-    """No usable dataset; the message lists what to do."""
+    """No usable dataset; the message, one line, names the culprit and says what to do."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))  # causes quoted in it may span lines
 
 
 @dataclass(frozen=True)
@@ -69,227 +74,176 @@ def synthetic_cifar10(n_train: int = 5000, n_test: int = 1000, seed: int = 0) ->
 
 
 def _from_torchvision(root: Path, download: bool) -> Cifar10:
+    """torchvision's copy under ``root``; with ``download``, fetched there first if missing."""
     from torchvision.datasets import CIFAR10
 
-    train = CIFAR10(str(root), train=True, download=download)
-    test = CIFAR10(str(root), train=False, download=download)
-    return Cifar10(
-        _hwc_to_chw(train.data), torch.tensor(train.targets),
-        _hwc_to_chw(test.data), torch.tensor(test.targets),
-        name=f"CIFAR-10 ({root})",
-    )
+    try:
+        train = CIFAR10(str(root), train=True, download=download)
+        test = CIFAR10(str(root), train=False)
+    except (OSError, RuntimeError, EOFError, tarfile.TarError) as err:  # URLError: an OSError
+        why = f"{type(err).__name__}: {err}"
+        raise DataError(
+            f"no CIFAR-10 in {root.resolve()} and downloading it there failed ({why}); {_PASS} "
+            "(e.g. cifar10-jpeg.tar.gz), or download it there first while online" if download
+            else f"{root / 'cifar-10-batches-py'} is incomplete or damaged ({why}); delete it "
+            f"and download it again, or {_PASS}") from None
+    return Cifar10(_hwc_to_chw(train.data), torch.tensor(train.targets),
+                   _hwc_to_chw(test.data), torch.tensor(test.targets), name=f"CIFAR-10 ({root})")
 
 
 def _split_member(name: str) -> tuple[str, str] | None:
-    """``.../train/cat/0001.jpg`` -> ("train", "cat"), or None for anything else."""
+    """``.../train/cat/0001.jpg`` -> ("train", "cat"), any class name; None if not an image."""
     parts = Path(name).parts
     if len(parts) < 3 or Path(name).suffix.lower() not in IMAGE_SUFFIXES:
         return None
-    split, cls = parts[-3], parts[-2]
-    return (split, cls) if split in ("train", "test") and cls in CLASSES else None
+    return (parts[-3], parts[-2]) if parts[-3] in ("train", "test") else None
 
 
-def _image_files(source: Path) -> Iterator[tuple[str, tuple[str, str], Callable[[], bytes]]]:
-    """(name, (split, class), read) for every CIFAR image in a folder or tarball.
-
-    Bytes are read only when asked for, so a ``limit_per_class`` skips the decoding work.
-    """
+def _entries(source: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
+    """(path inside, read) for every file of a folder or tarball."""
     if source.is_dir():
         for f in sorted(source.rglob("*")):
-            key = _split_member(str(f))
-            if key and f.is_file():
-                yield str(f.relative_to(source)), key, f.read_bytes
+            if f.is_file():
+                yield str(f.relative_to(source)), f.read_bytes
         return
-    with tarfile.open(source) as tar:  # streamed once, in archive order
+    if source.stat().st_size == 0:
+        raise DataError(f"{source} is empty; {_AGAIN}")
+    try:
+        tar = tarfile.open(source)
+    except tarfile.ReadError:
+        raise DataError(f"{source} is not a .tar or .tar.gz archive; {_PASS}") from None
+    with tar:  # streamed once, in archive order
         for member in tar:
-            key = _split_member(member.name)
-            if key and member.isfile():
-                yield member.name, key, tar.extractfile(member).read
+            if member.isfile():
+                yield member.name, tar.extractfile(member).read
+        # tarfile stops quietly where a cut falls between two members; a whole archive ends
+        # in a zero block, which the loop has just read
+        if tar.fileobj.tell() < tar.offset + tarfile.BLOCKSIZE:
+            raise tarfile.ReadError("it ends before its end-of-archive marker")
 
 
-def decode_image_folder(source: Path, limit_per_class: int | None = None) -> Cifar10:
-    """Decode ``{train,test}/<class>/*`` from a folder or tarball (class order = CLASSES)."""
+def _collect(source: Path, limit: int | None) -> dict[tuple[str, str], list[tuple[str, bytes]]]:
+    """(path or archive:member, bytes) by (split, class); beyond ``limit`` none are read."""
+    found: dict[tuple[str, str], list[tuple[str, bytes]]] = {}
+    is_dir = source.is_dir()
+    try:
+        for name, read in _entries(source):
+            key = _split_member(name)
+            if key is not None:
+                images = found.setdefault(key, [])
+                if limit is None or len(images) < limit:
+                    where = str(source / name) if is_dir else f"{source}:{name}"
+                    images.append((where, read()))
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
+        raise DataError(f"{source} is truncated or unreadable ({err}); {_AGAIN}") from None
+    return found
+
+
+def _check_classes(source: Path, found: dict[tuple[str, str], list]) -> None:
+    """All ten classes in both splits, or an error naming what is missing and what was found."""
+    problems = []
+    for split in ("train", "test"):
+        have = sorted(cls for s, cls in found if s == split)
+        missing = [f"{split}/{c}" for c in CLASSES if c not in have]
+        if not have:
+            problems.append(f"{split}/ missing")
+        elif missing:
+            problems.append(f"{', '.join(missing)} missing (found {', '.join(have)})")
+    if problems:
+        raise DataError(f"{source}: {'; '.join(problems)}; it needs train/<class>/ and "
+                        f"test/<class>/ folders of .png or .jpg images for {', '.join(CLASSES)}")
+
+
+def _decode(name: str, payload: bytes) -> np.ndarray:
+    """One image as 32 x 32 x 3 uint8; a broken or odd-sized one is named."""
     from PIL import Image
 
-    found: dict[str, list[tuple[str, int, bytes]]] = {"train": [], "test": []}
-    counts: dict[tuple[str, str], int] = {}
-    for name, key, read in _image_files(source):
-        if limit_per_class is not None and counts.get(key, 0) >= limit_per_class:
-            continue
-        counts[key] = counts.get(key, 0) + 1
-        found[key[0]].append((name, CLASSES.index(key[1]), read()))
-    if not found["train"] or not found["test"]:
-        raise DataError(
-            f"{source} holds no train/<class>/*.jpg|png and test/<class>/* images; "
-            "point --data at an image-folder tree or tarball of CIFAR-10"
-        )
+    try:
+        with Image.open(io.BytesIO(payload)) as image:
+            pixels = np.asarray(image.convert("RGB"))
+    except Exception as err:  # PIL reports broken files as OSError, SyntaxError, ValueError...
+        raise DataError(f"{name} is not a readable image ({err}); replace or remove it") from None
+    if pixels.shape != (32, 32, 3):
+        h, w = pixels.shape[:2]
+        raise DataError(f"{name} is {w}x{h}, not 32x32 like CIFAR-10; resize or remove it")
+    return pixels
+
+
+def _decode_image_folder(source: Path, limit_per_class: int | None) -> Cifar10:
+    """Decode ``{train,test}/<class>/*`` from a folder or tarball (class order = CLASSES)."""
+    found = _collect(source, limit_per_class)
+    _check_classes(source, found)
     arrays = []
     for split in ("train", "test"):
-        items = sorted(found[split], key=lambda t: (t[1], t[0]))
-        images = np.stack([np.asarray(Image.open(io.BytesIO(p)).convert("RGB")) for *_, p in items])
-        if images.shape[1:] != (32, 32, 3):
-            raise DataError(f"{source}: images must be 32x32 RGB, found {images.shape[1:3]}")
-        arrays += [_hwc_to_chw(images), torch.tensor([c for _, c, _ in items])]
+        items = [(c, *item) for c, cls in enumerate(CLASSES) for item in sorted(found[split, cls])]
+        images = np.stack([_decode(name, payload) for _, name, payload in items])
+        arrays += [_hwc_to_chw(images), torch.tensor([c for c, *_ in items])]
     return Cifar10(*arrays, name=f"CIFAR-10 image folder ({source.name})")
 
 
 def _cache_path(source: Path, cache_dir: Path | None, limit: int | None) -> Path:
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{limit}".encode())
-    folder = cache_dir or (source.parent if source.is_file() else source)
-    return folder / f".{source.name}.{key.hexdigest()[:16]}.npz"
+    """Keyed on every image's size and mtime in a folder (the folder's own mtime moves whenever
+    a cache is written into it), on the tarball's for a tarball."""
+    if source.is_dir():
+        images = (f for f in sorted(source.rglob("*")) if _split_member(str(f.relative_to(source))))
+        stamp = "|".join(f"{f.relative_to(source)}:{s.st_size}:{s.st_mtime_ns}"
+                         for f, s in ((f, f.stat()) for f in images))
+    else:
+        stamp = f"{source.stat().st_size}:{source.stat().st_mtime_ns}"
+    key = hashlib.sha256(f"{source.resolve()}|{limit}|{stamp}".encode()).hexdigest()[:16]
+    folder = cache_dir or (source if source.is_dir() else source.parent)
+    return folder / f".{source.name}.{key}.npz"
 
 
-def load_image_folder(
-    source: Path, cache_dir: Path | None = None, limit_per_class: int | None = None
-) -> Cifar10:
-    """:func:`decode_image_folder`, cached: the 60,000 JPEGs are decoded once."""
-    cache = _cache_path(source, cache_dir, limit_per_class)
-    if cache.exists():
-        with np.load(cache) as z:
-            parts = [torch.from_numpy(z[k]) for k in ("train_x", "train_y", "test_x", "test_y")]
-        return Cifar10(*parts, name=f"CIFAR-10 image folder ({source.name})")
-    data = decode_image_folder(source, limit_per_class)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp.npz")
-    np.savez(tmp, train_x=data.train_x.numpy(), train_y=data.train_y.numpy(),
-             test_x=data.test_x.numpy(), test_y=data.test_y.numpy())
-    tmp.replace(cache)  # atomic: a concurrent reader sees the old state or the whole file
-    return data
+def _read_cache(path: Path) -> list[torch.Tensor] | None:
+    """The four cached arrays; None when missing or damaged, so the caller decodes again."""
+    try:
+        with np.load(path) as z:
+            return [torch.from_numpy(z[k]) for k in _ARRAYS]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+
+
+def _write_cache(path: Path, data: Cifar10) -> None:
+    """Under a unique temporary name, then renamed: several ranks may write it at once."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **{k: getattr(data, k).numpy() for k in _ARRAYS})
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide a shared cache from other users
+            os.replace(tmp, path)  # readers see no cache or a whole one, never part of one
+        finally:
+            Path(tmp).unlink(missing_ok=True)  # gone already unless something failed
+    except OSError as err:  # e.g. a read-only folder: decoding again next time beats failing
+        warnings.warn(f"not caching the decoded images in {path.parent} ({err}); "
+                      "pass a writable cache_dir to keep them", stacklevel=3)
 
 
 def load_cifar10(
-    source: str = "auto",
-    data_dir: Path = Path("data"),
-    download: bool = True,
-    cache_dir: Path | None = None,
-    limit_per_class: int | None = None,
+    source: str | Path = "auto", limit_per_class: int | None = None, cache_dir: Path | None = None
 ) -> Cifar10:
-    """Find CIFAR-10. ``source``: ``auto``, ``torchvision``, ``synthetic`` or a folder/tarball."""
+    """CIFAR-10 from ``source``; ``limit_per_class`` and ``cache_dir`` serve image folders.
+
+    ``source``: ``auto`` (torchvision's copy in ./data, downloaded when missing), ``synthetic``,
+    a torchvision-layout folder, an image-folder tree, or a .tar/.tar.gz of one.
+    """
     if source == "synthetic":
         return synthetic_cifar10()
-    if source not in ("auto", "torchvision"):
-        path = Path(source)
-        if not path.exists():
-            raise DataError(f"--data {source}: no such file or folder")
-        return load_image_folder(path, cache_dir, limit_per_class)
-    if (data_dir / "cifar-10-batches-py").is_dir():
-        return _from_torchvision(data_dir, download=False)
-    if download:
-        try:
-            return _from_torchvision(data_dir, download=True)
-        except (OSError, RuntimeError) as err:  # URLError is an OSError
-            reason = f"downloading into {data_dir} failed ({type(err).__name__})"
-    else:
-        reason = f"no CIFAR-10 in {data_dir} and downloading is off"
-    raise DataError(
-        f"{reason}; use --data-dir DIR with the torchvision layout, "
-        "--data PATH to an image-folder tree or tarball (e.g. cifar10-jpeg.tar.gz), "
-        "or --data synthetic for made-up data"
-    )
-
-
-def normalize(x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
-    """uint8 images -> float32 with CIFAR-10 mean and std removed."""
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
-    out = (x.float() / 255 - mean) / std
-    return out.contiguous(memory_format=torch.channels_last) if channels_last else out
-
-
-def random_crop_flip(
-    x: torch.Tensor, generator: torch.Generator | None = None, pad: int = 4
-) -> torch.Tensor:
-    """Per-image random crop from a ``pad``-pixel zero-padded copy, and random horizontal flip.
-
-    Works on a whole batch at once on any device: one padded copy, then a gather.
-    """
-    n, _, h, w = x.shape
-    padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=x.device, generator=generator)
-    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=x.device, generator=generator)
-    flip = torch.rand(n, 1, 1, device=x.device, generator=generator) < 0.5
-    rows = dy + torch.arange(h, device=x.device).view(1, h, 1)
-    cols = torch.arange(w, device=x.device).view(1, 1, w)
-    cols = dx + torch.where(flip, w - 1 - cols, cols)
-    batch = torch.arange(n, device=x.device).view(n, 1, 1)
-    return padded[batch, :, rows, cols].permute(0, 3, 1, 2)  # advanced indexing puts C last
-
-
-class DeviceLoader:
-    """Batches from data resident on ``device``; each rank takes its shard of one permutation.
-
-    Every rank draws the same per-epoch permutation from ``seed + epoch``, takes every
-    ``world_size``-th index from position ``rank``, and drops the tail so all ranks run the
-    same number of steps.
-    """
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, batch: int, *, device: torch.device,
-                 rank: int = 0, world_size: int = 1, train: bool = True, seed: int = 0,
-                 channels_last: bool = False, crop_pad: int = 4) -> None:
-        self.x, self.y = x.to(device), y.to(device)
-        self.batch, self.device, self.rank, self.world = batch, device, rank, world_size
-        self.train, self.seed, self.channels_last = train, seed, channels_last
-        self.crop_pad = crop_pad
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def _indices(self) -> torch.Tensor:
-        n = len(self.x)
-        if not self.train:  # evaluation: every sample exactly once across ranks
-            return torch.arange(self.rank, n, self.world, device=self.device)
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        perm = torch.randperm(n, generator=g).to(self.device)
-        per_rank = n // self.world // self.batch * self.batch
-        return perm[self.rank :: self.world][:per_rank]
-
-    def __len__(self) -> int:
-        n = len(self.x)
-        if not self.train:
-            return -(-len(range(self.rank, n, self.world)) // self.batch)
-        return n // self.world // self.batch
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        idx = self._indices()
-        g = None
-        if self.train:  # augmentation randomness depends on (seed, epoch, rank) only
-            g = torch.Generator(device=self.device)
-            g.manual_seed(self.seed * 1_000_003 + self.epoch * 1009 + self.rank)
-        for i in range(0, len(idx), self.batch):
-            b = idx[i : i + self.batch]
-            x = self.x[b]
-            if self.train:
-                x = random_crop_flip(x, g, self.crop_pad)
-            yield normalize(x, self.channels_last), self.y[b]
-
-
-class _AugmentedImages(torch.utils.data.Dataset):
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, crop_pad: int) -> None:
-        self.x, self.y, self.crop_pad = x, y, crop_pad
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return random_crop_flip(self.x[i : i + 1], pad=self.crop_pad)[0], self.y[i]
-
-
-def dataloader(x: torch.Tensor, y: torch.Tensor, batch: int, *, rank: int = 0,
-               world_size: int = 1, seed: int = 0, workers: int = 4,
-               pin_memory: bool = True, crop_pad: int = 4) -> torch.utils.data.DataLoader:
-    """The classic training route: CPU workers augment single images, a sampler shards them.
-
-    Batches are uint8; the training loop copies them to the GPU and normalises them there.
-    Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle.
-    """
-    from torch.utils.data.distributed import DistributedSampler
-
-    dataset = _AugmentedImages(x, y, crop_pad)
-    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                 seed=seed, drop_last=True)
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=batch, sampler=sampler, num_workers=workers,
-        pin_memory=pin_memory, drop_last=True, persistent_workers=workers > 0,
-    )
+    path = Path("data") if source == "auto" else Path(source)
+    if path.name == "cifar-10-batches-py":
+        path = path.parent
+    if (path / "cifar-10-batches-py").is_dir():
+        return _from_torchvision(path, download=False)
+    if source == "auto":
+        return _from_torchvision(path, download=True)
+    if not path.exists():
+        raise DataError(f"--data {source}: no such file or folder; {_PASS}")
+    cache = _cache_path(path, cache_dir, limit_per_class)
+    cached = _read_cache(cache)
+    if cached is not None:
+        return Cifar10(*cached, name=f"CIFAR-10 image folder ({path.name})")
+    data = _decode_image_folder(path, limit_per_class)
+    _write_cache(cache, data)
+    return data
