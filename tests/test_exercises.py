@@ -23,3 +23,13 @@ def test_ch2_break_even_of_a_slow_first_step():
     # 10 s first step, 20 ms eager, 10 ms graphed: (10000 - 10) / 10 steps
     assert break_even_steps(10_000, 20, 10) == pytest.approx(999)
     assert math.isnan(break_even_steps(10_000, 10, 20))  # nothing saved, never pays back
+
+
+def test_ch5e_peak_learning_rates_and_steps_at_a_large_batch(tmp_path):
+    from tutorial_utils.experiment import steps_per_run, with_batch
+    from tutorial_utils.train import TrainConfig
+
+    cfg = TrainConfig(lr=0.1, out=tmp_path / "r")
+    assert with_batch(cfg, 2048).peak_lr(1) == pytest.approx(1.6)
+    assert with_batch(cfg, 2048, "sqrt").peak_lr(1) == pytest.approx(0.4)
+    assert steps_per_run(50_000, 128, 10) == 3900 and steps_per_run(50_000, 1024, 10) == 480

@@ -1,25 +1,76 @@
 """Chapter 5's training-run helpers, on two CPU processes."""
 
+import math
+
 import matplotlib
+import pytest
 
 matplotlib.use("Agg")
 
-from tutorial_utils.experiment import plot_curves, table, train  # noqa: E402
+from tutorial_utils.experiment import (  # noqa: E402
+    plan,
+    plot_curves,
+    runs_table,
+    scaling_summary,
+    shortest_schedule,
+    time_to_accuracy,
+    train,
+    with_batch,
+)
+from tutorial_utils.train import TrainConfig  # noqa: E402
 
-TINY = ["--depth", "10", "--width", "1", "--batch", "64", "--data", "synthetic", "--device", "cpu",
-        "--no-bf16", "--epochs", "2", "--checkpoint-every", "0"]
+
+def tiny(out, **kw):
+    return TrainConfig(**{**dict(depth=10, width=1, batch=64, data="synthetic", device="cpu",
+                                 bf16=False, epochs=2, checkpoint_every=0, out=out), **kw})
 
 
 def test_training_runs_are_launched_read_back_and_compared(tmp_path):
-    one = train(1, TINY, tmp_path / "one", label="1 process")
-    two = train(2, TINY, tmp_path / "two", label="2 processes")
+    one = train(1, tiny(tmp_path / "one"), label="1 process")
+    two = train(2, tiny(tmp_path / "two"), label="2 processes")
     assert [e["epoch"] for e in two.epochs] == [1, 2]
     assert (one.start["per_gpu_batch"], two.start["per_gpu_batch"]) == (64, 32)
     assert two.start["global_batch"] == 64 and two.start["synthetic_data"]
-    assert two.train_s == sum(e["epoch_time_s"] for e in two.epochs)
+    assert two.train_s == pytest.approx(sum(e["epoch_time_s"] for e in two.epochs))
     assert two.steady_epoch_s == two.epochs[1]["epoch_time_s"]
-    rows = table([one, two], reference=one).splitlines()
-    assert rows[1].startswith("1 process") and "1.00x" in rows[1]
-    assert f"{one.train_s / two.train_s:.2f}x" in rows[2]
-    fig = plot_curves([one, two], "tiny")
+    rows = runs_table([one, two], reference=one).splitlines()
+    assert rows[1].startswith("1 process") and "1.00" in rows[1]
+    assert f"{one.train_s / two.train_s:.2f}" in rows[2]
+    summary = scaling_summary([one, two])
+    assert summary["x_2"] == pytest.approx(one.train_s / two.train_s) and summary["n_max"] == 2
+    assert math.isnan(scaling_summary([one])["x_max"])  # no multi-process run: no ratio
+    fig = plot_curves([one, two], "tiny", targets=(0.5,))
     assert len(fig.axes) == 2 and len(fig.axes[0].lines) == 2
+
+
+def run_of(accs, epoch_s=10.0):
+    from tutorial_utils.experiment import TrainingRun
+
+    epochs = [{"epoch": i + 1, "test_acc": a, "epoch_time_s": epoch_s,
+               "train_time_s": epoch_s * (i + 1)} for i, a in enumerate(accs)]
+    return TrainingRun(1, f"{len(accs)} epochs", epochs, {})
+
+
+def test_time_to_accuracy_within_a_run_and_across_schedules():
+    short, long = run_of([0.5, 0.8, 0.905]), run_of([0.4, 0.7, 0.85, 0.89, 0.91, 0.92])
+    assert time_to_accuracy(long, 0.90) == 50.0  # the first epoch at or past the target
+    assert math.isnan(time_to_accuracy(short, 0.95))
+    # the 3-epoch schedule reaches 90 % at its end in 30 s: shorter than the 6-epoch one
+    assert shortest_schedule([short, long], 0.90) is short
+    assert shortest_schedule([short, long], 0.915) is long
+    assert shortest_schedule([short], 0.99) is None
+
+
+def test_larger_batches_scale_the_learning_rate_by_rule(tmp_path):
+    base = TrainConfig(batch=128, lr=0.1, out=tmp_path / "fast")
+    linear, sqrt = with_batch(base, 512), with_batch(base, 512, "sqrt")
+    assert linear.peak_lr(1) == pytest.approx(0.4)  # 0.1 x 512/128 (Goyal et al.)
+    assert sqrt.peak_lr(1) == pytest.approx(0.2)  # 0.1 x sqrt(512/128)
+    assert linear.out != sqrt.out != base.out
+
+
+def test_plan_on_each_kind_of_machine():
+    assert plan(0, "full").counts == [1, 2] and plan(0, "full").profile == "smoke"
+    one = plan(1, "full")
+    assert (one.device, one.counts, one.profile) == ("cuda", [1], "full") and "2 GPUs" in one.note
+    assert plan(4, "full").counts == [1, 2, 4]

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 # re-exported: older code imports the loaders from here
-from .loaders import DeviceLoader, dataloader, normalize, random_crop_flip  # noqa: F401
 
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")

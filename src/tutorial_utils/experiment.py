@@ -106,6 +106,34 @@ def with_batch(cfg: TrainConfig, batch: int, rule: str = "linear") -> TrainConfi
         f"{cfg.out.name}-b{batch}-{rule}"))
 
 
+def schedule_sweep(cfg: TrainConfig, epochs: list[int], processes: int = 1) -> list[TrainingRun]:
+    """The same recipe trained for each number of ``epochs`` (its schedule stretched to fit)."""
+    return [train(processes, dataclasses.replace(cfg, epochs=n, out=cfg.out.with_name(
+        f"{cfg.out.name}-{n}ep")), label=f"{n} epochs") for n in epochs]
+
+
+def targets_table(runs: list[TrainingRun], targets: tuple[float, ...]) -> tuple[str, dict]:
+    """For each target: the shortest schedule reaching it at its end, with its training time
+    and compilation; a text table and a flat summary (``tta_<pct>_s``, ``tta_<pct>_epochs``)."""
+    rows, summary = [], {}
+    for t in targets:
+        best = shortest_schedule(runs, t)
+        key = f"tta_{round(t * 1000)}"  # 0.91 -> tta_910
+        rows.append({"target": f"{t:.1%}", "run": best.label if best else "not reached",
+                     "train": best.train_s if best else math.nan,
+                     "compile": best.compile_s if best else math.nan,
+                     "acc": best.final_acc if best else math.nan})
+        status = (f"{rows[-1]['train']:.1f} s, the {best.label} schedule" if best
+                  else "not reached by any schedule tried")
+        summary |= {f"{key}_s": rows[-1]["train"], f"{key}_compile_s": rows[-1]["compile"],
+                    f"{key}_epochs": len(best.epochs) if best else math.nan,
+                    f"{key}_status": status}
+    cols = (Column("target", "target", width=8, left=True), Column("run", "shortest run", width=14,
+            left=True), Column("train", "train s", ".1f"), Column("compile", "compile s", ".1f"),
+            Column("acc", "final acc", ".2%", 11))
+    return table(rows, cols), summary
+
+
 COLUMNS = (Column("label", "run", width=32, left=True), Column("batch", "batch/proc", "d", 11),
            Column("first", "epoch 1 s", ".2f"), Column("later", "later s", ".2f", 9),
            Column("train", "train s", ".1f", 9), Column("speedup", "speed-up", ".2f", 10),
@@ -156,3 +184,8 @@ def plot_curves(runs: list[TrainingRun], title: str, targets: tuple[float, ...] 
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def steps_per_run(images: int, batch: int, epochs: int) -> int:
+    """Optimizer steps of a run that drops the last, incomplete batch of every epoch."""
+    return images // batch * epochs

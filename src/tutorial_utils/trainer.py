@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from . import checkpoint as ckpt
 from .config import to_dict
-from .data import Cifar10, DeviceLoader, dataloader, normalize
+from .data import Cifar10
+from .loaders import DeviceLoader, dataloader, normalize
 from .models import WideResNet
 from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
