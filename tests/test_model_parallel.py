@@ -94,17 +94,60 @@ def test_split_over_two_gpus_matches_one_gpu(monkeypatch):
     torch.testing.assert_close(pipe(x).to("cuda:0"), ref.eval()(x))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_torch_pipelining_stages_match_one_process(tmp_path, schedule):
+def pipeline_stage(tmp_path, *args, device="cpu", timeout_s=120):
+    """One record of the torchrun worker, 2 processes."""
     from tutorial_utils.launch import torchrun
 
     out = tmp_path / "pipe.jsonl"
     result = torchrun("tutorial_utils.workers.pipeline_stage",
-                      ["--check", "--device", "cpu", "--schedule", schedule, "--out", str(out)],
-                      nproc=2, timeout_s=120, metrics_file=out, echo=False)
+                      [*args, "--check", "--device", device, "--out", str(out)],
+                      nproc=2, timeout_s=timeout_s, metrics_file=out, echo=False)
     (row,) = result.metrics
+    return row
+
+
+def n_params(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_torch_pipelining_stages_match_one_process(tmp_path, schedule):
+    from tutorial_utils.parallel.pipeline import small_net
+
+    row = pipeline_stage(tmp_path, "--schedule", schedule)
     assert row["world_size"] == 2 and row["schedule"] == schedule
+    assert (row["precision"], row["memory_format"]) == ("fp32", "contiguous")  # CPU default
     assert row["max_grad_diff"] < 1e-5
+    # Each rank holds its own stage only: the counts add up to the model, none is empty.
+    assert min(row["params_per_rank"]) > 0
+    assert sum(row["params_per_rank"]) == n_params(small_net())
+
+
+def test_torch_pipelining_runs_bf16_channels_last(tmp_path):
+    # Without a contiguous stage output, sending a channels_last activation fails.
+    row = pipeline_stage(tmp_path, "--bf16", "--channels-last")
+    assert (row["precision"], row["memory_format"]) == ("bf16", "channels_last")
+    assert row["max_grad_diff"] < 2e-2 * row["max_grad"]  # bf16 keeps 8 bits of mantissa
+
+
+@pytest.mark.parametrize("n_stages", [2, 3])
+def test_a_stage_materialises_only_its_layers_with_the_reference_weights(n_stages):
+    from tutorial_utils.parallel.pipeline import materialise, small_net, stage_bounds
+
+    cpu = torch.device("cpu")
+    bounds = stage_bounds(small_net, n_stages, (2, 3, 32, 32))
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(small_net())
+    reference = materialise(small_net, 0, None, cpu)  # the whole model, layer by layer
+    held = 0
+    for start, end in bounds:
+        layers = materialise(small_net, start, end, cpu)
+        assert len(layers) == end - start
+        for mine, ref in zip(layers, reference[start:end], strict=True):
+            for a, b in zip(mine.parameters(), ref.parameters(), strict=True):
+                assert a.device == cpu
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        held += sum(n_params(layer) for layer in layers)
+    assert held == n_params(small_net())
 
 
 def test_pipeline_benchmark_runs_and_predicts_every_m():
@@ -119,15 +162,19 @@ def test_pipeline_benchmark_runs_and_predicts_every_m():
 
 
 @pytest.mark.multigpu
-def test_torch_pipelining_on_two_gpus(tmp_path):
-    from tutorial_utils.launch import torchrun
+def test_torch_pipelining_on_two_gpus_in_fp32(tmp_path):
+    row = pipeline_stage(tmp_path, "--schedule", "1f1b", "--no-bf16", "--no-channels-last",
+                         device="cuda", timeout_s=300)
+    assert (row["precision"], row["memory_format"]) == ("fp32", "contiguous")
+    assert row["max_grad_diff"] < 1e-4  # cuDNN's TF32 convolutions, not the pipeline
 
-    out = tmp_path / "pipe.jsonl"
-    result = torchrun("tutorial_utils.workers.pipeline_stage",
-                      ["--check", "--device", "cuda", "--schedule", "1f1b", "--out", str(out)],
-                      nproc=2, timeout_s=300, metrics_file=out, echo=False)
-    (row,) = result.metrics
-    assert row["max_grad_diff"] < 1e-4
+
+@pytest.mark.multigpu
+def test_torch_pipelining_on_two_gpus_runs_like_the_in_process_pipeline(tmp_path):
+    row = pipeline_stage(tmp_path, "--schedule", "1f1b", device="cuda", timeout_s=300)
+    assert (row["precision"], row["memory_format"]) == ("bf16", "channels_last")
+    assert row["cudnn_benchmark"]
+    assert row["max_grad_diff"] < 2e-2 * row["max_grad"]
 
 
 def test_flop_balanced_stages_share_the_arithmetic():

@@ -3,12 +3,13 @@
     python -m tutorial_utils.bench_model_parallel --model wrn-28-10 --batch 256 \\
         --micro-batches 1 2 4 8 16 32
 
-Times forward + backward of one batch (bf16 autocast, channels_last; no optimizer step) on one
-device, split across devices naively, and pipelined with m micro-batches. The prediction for
-the pipeline is :func:`~tutorial_utils.parallel.model_parallel.pipeline_ms` of the stages timed
-alone on one micro-batch, t_s(b/m): for p equal stages the bubble model (m+p-1) t(b/m), with
-t(b/m) measured, so it includes the fixed cost per micro-batch (launches, copies) that makes
-large m stop paying.
+Times forward + backward of one batch (bf16 autocast, channels_last, cuDNN autotuning; no
+optimizer step) on one device, split across devices naively, and pipelined with m
+micro-batches. The prediction for the pipeline is
+:func:`~tutorial_utils.parallel.model_parallel.pipeline_ms` of the stages timed alone on one
+micro-batch, t_s(b/m): for p equal stages the bubble model (m+p-1) t(b/m), with t(b/m)
+measured, so it includes the fixed cost per micro-batch (launches, copies) that makes large m
+stop paying.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from .parallel.model_parallel import (
     split_sequential,
 )
 from .timing import benchmark
+from .workload import cudnn_autotuning
 
 
 @dataclass
@@ -84,6 +86,9 @@ def _stage_step(stage: nn.Module, inp: torch.Tensor):
     return step
 
 
+# cuDNN times its algorithms for each new shape (each micro-batch size) during the warm-up
+# steps, as the torchrun stages of workers/pipeline_stage.py do: both pipelines run alike.
+@cudnn_autotuning()
 def run(model_name: str, batch: int, micro_batches: list[int], n_devices: int = 2,
         repeats: int = 10) -> tuple[list[PipelineRow], list[torch.device]]:
     devices = devices_for(n_devices)

@@ -36,6 +36,17 @@ class BasicBlock(nn.Module):
         return o + skip
 
 
+def init_weights(m: nn.Module) -> None:
+    """The reference implementation's initialisation of one module (not its children)."""
+    if isinstance(m, nn.Conv2d):
+        nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    elif isinstance(m, nn.BatchNorm2d):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Linear):
+        nn.init.zeros_(m.bias)
+
+
 class WideResNet(nn.Sequential):
     """A plain ``nn.Sequential``, so it can be split into stages layer by layer."""
 
@@ -68,13 +79,7 @@ class WideResNet(nn.Sequential):
         super().__init__(*layers)
         self.depth, self.width = depth, width
         for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.Linear):
-                nn.init.zeros_(m.bias)
+            init_weights(m)
 
 
 def wide_resnet(name: str = "wrn-28-10", **kwargs) -> WideResNet:

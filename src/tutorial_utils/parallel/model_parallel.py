@@ -9,7 +9,7 @@ without any host synchronisation; backward overlaps too, because autograd runs o
 device. With p equal stages the idle share of each device, the *bubble*, is (p-1)/(m+p-1).
 
 In practice, across processes or machines, use ``torch.distributed.pipelining`` (one stage
-per process, GPipe or 1F1B schedules): see :mod:`tutorial_utils.workers.pipeline_stage`.
+per process, GPipe or 1F1B schedules): see :mod:`tutorial_utils.parallel.pipeline`.
 """
 
 from __future__ import annotations

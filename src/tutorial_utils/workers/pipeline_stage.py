@@ -3,91 +3,122 @@
     torchrun --standalone --nproc_per_node=2 -m tutorial_utils.workers.pipeline_stage \\
         --model wrn-28-10 --batch 256 --micro-batches 8 --schedule 1f1b --out pipe.jsonl
 
-Every process builds the same model, keeps its own consecutive slice of layers as a
-``torch.distributed.pipelining.PipelineStage``, and a schedule (GPipe: all forwards, then all
-backwards; 1F1B: alternate once the pipeline is full, which holds fewer activations) moves
-micro-batches between processes. With ``--check`` each stage's gradients are compared with
-those of the whole model trained in one process on the whole batch.
+Each process builds only its own stage (:mod:`tutorial_utils.parallel.pipeline`) and times
+forward + backward of a batch. On GPUs it runs like chapter 3's in-process pipeline (bf16
+autocast, channels_last, cuDNN autotuning), so the two compare designs, not precisions; with
+``--check`` each stage's gradients are compared with those of the whole model in one process
+on the whole batch, in the same precision. Rank 0 writes one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
 import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from ..models import wide_resnet
-from ..parallel.distributed import distributed
-from ..parallel.model_parallel import balanced_boundaries, forward_flops
+from ..models.wrn import init_weights
+from ..parallel.distributed import DistContext, distributed
+from ..parallel.pipeline import (
+    SCHEDULES,
+    StageModule,
+    build_stage,
+    loss_fn,
+    make_schedule,
+    materialise,
+    small_net,
+    train_step,
+)
 from ..timing import benchmark
-from .equivalence import small_net
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-
-
-def build(name: str) -> nn.Sequential:
-    """``cnn``: a small network without BatchNorm (exact checks); else a WRN name."""
-    return small_net() if name == "cnn" else wide_resnet(name)
+SAMPLE = (3, 32, 32)  # CIFAR-shaped images
 
 
-def main(argv: list[str] | None = None) -> None:
+def model_maker(name: str):
+    """``cnn``: :func:`small_net` (no BatchNorm, exact checks); else a WRN name, with its init."""
+    if name == "cnn":
+        return small_net, None
+    return functools.partial(wide_resnet, name), init_weights
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="cnn")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    on_gpus = argparse.BooleanOptionalAction
+    parser.add_argument("--bf16", action=on_gpus, help="bf16 autocast (default: on GPUs)")
+    parser.add_argument("--channels-last", action=on_gpus, help="(default: on GPUs)")
     parser.add_argument("--check", action="store_true", help="compare with one process")
     parser.add_argument("--repeats", type=int, default=0, help="timed steps (0: none)")
     parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+def all_max(ctx: DistContext, *values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def grad_check(ctx: DistContext, args, stage_module: nn.Module, layers: range,
+               x: torch.Tensor, y: torch.Tensor) -> dict:
+    """Largest gradient difference from the whole model, trained in this process on the whole
+    batch with the pipeline's weights (built layer by layer as the stages were)."""
+    make, init = model_maker(args.model)
+    reference = StageModule(materialise(make, 0, None, ctx.device, init), args.bf16)
+    if args.channels_last:
+        reference.to(memory_format=torch.channels_last)
+    loss_fn(reference(x), y).backward()
+    ref = [p.grad for i in layers for p in reference.layers[i].parameters()]
+    mine = [p.grad for p in stage_module.parameters()]
+    diff = max((float((a - b).abs().max()) for a, b in zip(mine, ref, strict=True)), default=0.0)
+    scale = max((float(g.abs().max()) for g in ref), default=0.0)
+    worst, largest = all_max(ctx, diff, scale)
+    return {"max_grad_diff": worst, "max_grad": largest}
+
+
+def params_per_rank(ctx: DistContext, module: nn.Module) -> list[int]:
+    """The parameters each rank holds (one all-reduce of a vector with one entry per rank)."""
+    counts = torch.zeros(ctx.world_size, dtype=torch.int64, device=ctx.device)
+    counts[ctx.rank] = sum(p.numel() for p in module.parameters())
+    dist.all_reduce(counts)
+    return counts.tolist()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
     with distributed(args.device) as ctx:
-        torch.manual_seed(0)  # the same weights and batch on every rank
-        full = build(args.model)
-        x, y = torch.randn(args.batch, 3, 32, 32), torch.randint(0, 10, (args.batch,))
-        costs = forward_flops(full, x[:2])  # stages of equal arithmetic
-        starts = balanced_boundaries(full, ctx.world_size, costs)
-        ends = [*starts[1:], len(full)]
-        mine = list(range(starts[ctx.rank], ends[ctx.rank]))
-        layers = list(copy.deepcopy(full))
-        module = nn.Sequential(*(layers[i] for i in mine)).to(ctx.device)
-        stage = PipelineStage(module, ctx.rank, ctx.world_size, ctx.device)
-        schedule = SCHEDULES[args.schedule](stage, args.micro_batches, loss_fn=F.cross_entropy)
-        first, last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
-        x, y = x.to(ctx.device), y.to(ctx.device)
-
-        def step() -> None:
-            module.zero_grad(set_to_none=True)
-            if first:
-                schedule.step(x)
-            elif last:
-                schedule.step(target=y, losses=[])
-            else:
-                schedule.step()
-
-        step()
+        on_gpu = ctx.device.type == "cuda"
+        args.bf16 = on_gpu if args.bf16 is None else args.bf16
+        args.channels_last = on_gpu if args.channels_last is None else args.channels_last
+        torch.backends.cudnn.benchmark = on_gpu  # as chapter 3's in-process benchmark
+        make, init = model_maker(args.model)
+        stage, layers = build_stage(make, ctx.rank, ctx.world_size, ctx.device, (2, *SAMPLE),
+                                    bf16=args.bf16, channels_last=args.channels_last, init=init)
+        schedule = make_schedule(stage, args.schedule, args.micro_batches)
+        torch.manual_seed(0)  # the same batch on every rank
+        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+        x = torch.randn(args.batch, *SAMPLE).to(ctx.device, memory_format=fmt)
+        y = torch.randint(0, 10, (args.batch,)).to(ctx.device)
+        train_step(schedule, stage, x, y)
         record = {"world_size": ctx.world_size, "model": args.model, "batch": args.batch,
-                  "micro_batches": args.micro_batches, "schedule": args.schedule}
+                  "micro_batches": args.micro_batches, "schedule": args.schedule,
+                  "precision": "bf16" if args.bf16 else "fp32",
+                  "memory_format": "channels_last" if args.channels_last else "contiguous",
+                  "cudnn_benchmark": on_gpu, "params_per_rank": params_per_rank(ctx, stage.submod)}
         if args.check:
-            reference = full.to(ctx.device)
-            F.cross_entropy(reference(x), y).backward()
-            ref_params = [p for i in mine for p in list(reference)[i].parameters()]
-            diff = max((float((a.grad - b.grad).abs().max())
-                        for a, b in zip(module.parameters(), ref_params, strict=True)), default=0.0)
-            worst = torch.tensor([diff], device=ctx.device)
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            record["max_grad_diff"] = worst.item()
+            record.update(grad_check(ctx, args, stage.submod, layers, x, y))
         if args.repeats:
-            record["step_ms"] = benchmark(step, warmup=2, repeats=args.repeats,
-                                          device=ctx.device).median_ms
+            record["step_ms"] = benchmark(lambda: train_step(schedule, stage, x, y), warmup=2,
+                                          repeats=args.repeats, device=ctx.device).median_ms
         if ctx.is_main:
             with open(args.out, "a") as f:
                 f.write(json.dumps(record) + "\n")
