@@ -1,0 +1,200 @@
+"""The collectives over message sizes, and the alpha-beta model fitted to them (chapter 3b).
+
+    python -m tutorial_utils.bench_collectives --nproc 2 --max-mb 256
+
+Launches :mod:`tutorial_utils.workers.collectives_bench` under torchrun (NCCL on GPUs, gloo on
+CPU processes), fits t(n) = alpha + n / beta to each collective's times, and checks the fit's
+prediction for an all-reduce of WRN-28-10's gradients against chapter 4's all-reduce of
+exactly that size, timed in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from .devices import gpu_count
+from .launch import torchrun
+from .models import wide_resnet
+from .parallel.collectives import AlphaBeta, bus_factor, fit_alpha_beta
+from .report import Column
+from .report import table as text_table
+
+COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "all_gather")
+RING = "ring_all_reduce"
+LABELS = {name: name.replace("_", "-") for name in COLLECTIVES} | {RING: "ring (by hand)"}
+GRADIENTS_OF = "wrn-28-10"
+
+
+def message_sizes(max_bytes: int, min_bytes: int = 4096, factor: int = 4) -> list[int]:
+    """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes``."""
+    sizes = [min_bytes]
+    while sizes[-1] * factor <= max_bytes:
+        sizes.append(sizes[-1] * factor)
+    return sizes
+
+
+def gradient_bytes(model: str = GRADIENTS_OF) -> int:
+    """Bytes of the float32 gradients of ``model``: one per parameter, as DDP all-reduces."""
+    with torch.device("meta"):  # shapes only: no memory, no initialisation work
+        net = wide_resnet(model)
+    return sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+
+
+def human_bytes(n: float) -> str:
+    unit, scale = next((u for u in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+                        if n >= u[1]), ("B", 1))
+    return f"{n / scale:.{0 if n % scale == 0 else 1}f} {unit}"
+
+
+def run(nproc: int, device: str, sizes: list[int], ring_sizes: list[int] | None = None,
+        check_bytes: int | None = None, warmup: int = 5, repeats: int = 20,
+        out: Path = Path("runs/ch03b/collectives.jsonl"), timeout_s: float = 900) -> list[dict]:
+    """Time every collective at ``sizes`` (the hand-written ring at ``ring_sizes``, by default
+    every fourth size and the largest) in ``nproc`` processes; return the workers' records."""
+    ring_sizes = sorted(set(sizes[::4] + sizes[-1:])) if ring_sizes is None else ring_sizes
+    out.parent.mkdir(parents=True, exist_ok=True)
+    args = ["--sizes", *map(str, sizes), "--ring-sizes", *map(str, ring_sizes),
+            "--warmup", str(warmup), "--repeats", str(repeats), "--device", device,
+            "--out", str(out), *(["--check-bytes", str(check_bytes)] if check_bytes else [])]
+    return torchrun("tutorial_utils.workers.collectives_bench", args, nproc=nproc,
+                    timeout_s=timeout_s, metrics_file=out, echo=False).metrics
+
+
+def sweep(records: list[dict], collective: str) -> list[dict]:
+    return sorted((r for r in records if r["role"] == "sweep" and r["collective"] == collective),
+                  key=lambda r: r["nbytes"])
+
+
+def fit(records: list[dict]) -> dict[str, AlphaBeta]:
+    """The alpha-beta model of each collective measured at two sizes or more."""
+    points = {name: sweep(records, name) for name in (*COLLECTIVES, RING)}
+    return {name: fit_alpha_beta([r["nbytes"] for r in p], [r["time_s"] for r in p])
+            for name, p in points.items() if len(p) >= 2}
+
+
+def worst_error(records: list[dict], name: str, model: AlphaBeta) -> float:
+    """The largest |predicted / measured - 1| over the sizes the model was fitted to."""
+    return max(abs(model.predict_s(r["nbytes"]) / r["time_s"] - 1) for r in sweep(records, name))
+
+
+def table(records: list[dict]) -> str:
+    """Bus bandwidth (GB/s) of each collective at each size; ``-`` where not measured."""
+    names = [n for n in (*COLLECTIVES, RING) if sweep(records, n)]
+    rows: dict[int, dict] = {}
+    for name in names:
+        for r in sweep(records, name):
+            rows.setdefault(r["nbytes"], {"size": human_bytes(r["nbytes"])})[name] = r["busbw_gbps"]
+    columns = [Column("size", "size", width=10, left=True)]
+    columns += [Column(n, LABELS[n], ".2f", max(len(LABELS[n]) + 2, 10)) for n in names]
+    return "bus bandwidth, GB/s\n" + text_table([rows[k] for k in sorted(rows)], columns)
+
+
+def fit_table(records: list[dict], fits: dict[str, AlphaBeta]) -> str:
+    """alpha, beta (and beta as a bus bandwidth), n_1/2 and the worst error of each fit."""
+    n = records[0]["world_size"]
+    rows = [{"name": LABELS[k], "alpha": m.alpha_s * 1e6, "beta": m.beta / 1e9,
+             "bus": m.beta * bus_factor(k, n) / 1e9, "half": human_bytes(m.half_bytes),
+             "err": worst_error(records, k, m) * 100} for k, m in fits.items()]
+    return text_table(rows, [
+        Column("name", "collective", width=16, left=True), Column("alpha", "alpha us", ".1f"),
+        Column("beta", "beta GB/s", ".2f", 11), Column("bus", "as busbw", ".2f"),
+        Column("half", "n_1/2", width=11), Column("err", "worst err %", ".0f", 13)])
+
+
+def plot(records: list[dict], fits: dict[str, AlphaBeta], title: str):
+    """Measured time against size, log-log, one panel per collective, with its fitted model."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(2, 2, figsize=(8, 6.4), sharex=True, sharey=True)
+    right = max(r["nbytes"] for r in records if "nbytes" in r) * 1.3  # the check may lie beyond
+    for ax, name in zip(axes.flat, COLLECTIVES, strict=True):
+        points, model = sweep(records, name), fits[name]
+        x = np.array([r["nbytes"] for r in points])
+        t, q25, q75 = (np.array([r[k] for r in points]) * 1e6 for k in ("time_s", "q25_s", "q75_s"))
+        ax.errorbar(x, t, yerr=[t - q25, q75 - t], fmt="o", ms=4,
+                    label="measured (median, quartiles)")
+        grid = np.geomspace(x.min(), right, 100)
+        ax.plot(grid, [model.predict_s(g) * 1e6 for g in grid], "-", color="C1",
+                label=rf"fit: $\alpha$ = {model.alpha_s * 1e6:.1f} us, "
+                      rf"$\beta$ = {model.beta / 1e9:.1f} GB/s")
+        if name == "all_reduce":
+            _plot_ring_and_check(ax, records, model)
+        ax.set(xscale="log", yscale="log", title=LABELS[name])
+        ax.legend(fontsize=7, loc="upper left")
+    fig.supxlabel("message size (bytes)", fontsize=9)
+    fig.supylabel("time (us)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_ring_and_check(ax, records: list[dict], model: AlphaBeta) -> None:
+    if ring := sweep(records, RING):
+        ax.plot([r["nbytes"] for r in ring], [r["time_s"] * 1e6 for r in ring], "s", mfc="none",
+                color="C2", label="ring by hand (send/recv)")
+    if check := next((r for r in records if r["role"] == "check"), None):
+        ax.plot(check["nbytes"], check["time_s"] * 1e6, "*", ms=11, color="C3",
+                label=f"chapter 4's all-reduce, {GRADIENTS_OF.upper()} gradients")
+        ax.plot(check["nbytes"], model.predict_s(check["nbytes"]) * 1e6, "x", ms=9, mew=2,
+                color="k", label="the fit's prediction for it")
+
+
+def summary(records: list[dict], fits: dict[str, AlphaBeta]) -> dict[str, float | str | int]:
+    """Flat numbers for the chapter's prose (``glue_summary``)."""
+    n, out = records[0]["world_size"], {}
+    for name, model in fits.items():
+        first, *_, last = sweep(records, name)
+        out |= {f"{name}_alpha_us": model.alpha_s * 1e6, f"{name}_beta_gbps": model.beta / 1e9,
+                f"{name}_beta_bus_gbps": model.beta * bus_factor(name, n) / 1e9,
+                f"{name}_half_mb": model.half_bytes / 1e6, f"{name}_err_pct":
+                worst_error(records, name, model) * 100, f"{name}_small_us": first["time_s"] * 1e6,
+                f"{name}_large_busbw_gbps": last["busbw_gbps"]}
+    top = {name: sweep(records, name)[-1] for name in fits}
+    all_reduce = {r["nbytes"]: r for r in sweep(records, "all_reduce")}
+    out |= {"nproc": n, "backend": records[0]["backend"], "n_sizes": len(all_reduce),
+            "min_size": human_bytes(min(all_reduce)), "max_size": human_bytes(max(all_reduce)),
+            "ring_max_diff": next(r["max_diff"] for r in records if r["role"] == "equal"),
+            "rs_ag_over_ar": (top["reduce_scatter"]["time_s"] + top["all_gather"]["time_s"])
+            / top["all_reduce"]["time_s"]}
+    if ring := top.get(RING):
+        out |= {"ring_size": human_bytes(ring["nbytes"]),
+                "ring_over_builtin": ring["time_s"] / all_reduce[ring["nbytes"]]["time_s"]}
+    return out | _gradient_summary(records, fits["all_reduce"], max(all_reduce))
+
+
+def _gradient_summary(records: list[dict], model: AlphaBeta, largest: int) -> dict:
+    if (check := next((r for r in records if r["role"] == "check"), None)) is None:
+        return {}
+    nbytes, measured, predicted = check["nbytes"], check["time_s"], model.predict_s(check["nbytes"])
+    error = abs(predicted / measured - 1)
+    return {"grad_mb": nbytes / 1e6, "grad_params_m": nbytes / 4 / 1e6,
+            "grad_pred_ms": predicted * 1e3, "grad_meas_ms": measured * 1e3,
+            "grad_pred_over_meas": predicted / measured, "grad_err_pct": error * 100,
+            "grad_verdict": "within" if error <= 0.10 else "outside",
+            "grad_busbw_gbps": check["busbw_gbps"], "grad_where": "inside" if nbytes <= largest
+            else "beyond"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--max-mb", type=int, help="largest message, MiB (256 on GPUs, 16 on CPU)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    device = "cuda" if gpu_count() >= args.nproc else "cpu"
+    max_mb = args.max_mb or (256 if device == "cuda" else 16)
+    records = run(args.nproc, device, message_sizes(max_mb * 2**20, factor=2),
+                  check_bytes=gradient_bytes(), repeats=args.repeats)
+    fits = fit(records)
+    s = summary(records, fits)
+    print(table(records), fit_table(records, fits), sep="\n\n")
+    print(f"\nall-reduce of {s['grad_mb']:.1f} MB ({GRADIENTS_OF} gradients): predicted "
+          f"{s['grad_pred_ms']:.3f} ms, measured {s['grad_meas_ms']:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
