@@ -322,3 +322,17 @@ def test_the_notice_survives_nbval(notebook, tmp_path):
     assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
     assert notebook.read_bytes() == before
     assert all(f.pending for f in check_notebook(notebook))
+
+
+def test_a_run_on_fewer_gpus_than_the_chapter_needs_may_carry_the_notice(notebook):
+    _as_if_executed(notebook)  # a stamp of 2 GPUs
+    nb = nbformat.read(notebook, as_version=4)
+    nb.metadata[nbtools.METADATA_KEY]["stamp"].update(gpu_count=1, gpu_names=["NVIDIA H200"])
+    nbformat.write(nb, notebook)
+    assert check_notebook(notebook) == []  # fresh: a one-GPU run is a valid run
+    assert mark_pending(notebook, gpus=2) == [
+        "its outputs come from a run on 1 GPU(s); its multi-GPU measurements need 2"]
+    (finding,) = check_notebook(notebook)
+    assert finding.pending and "need 2" in finding.problem
+    assert "Re-execution on 2 GPUs pending" in _notice(notebook).source
+    assert mark_pending(notebook, gpus=1) == [] and _notice(notebook) is None

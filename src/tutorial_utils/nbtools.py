@@ -8,13 +8,13 @@
     outputs made on a GPU with a run on a machine without one, unless ``--force``.
 
 ``python -m tutorial_utils.nbtools check NB...``
-    Fails (exit 1), naming the notebook and what changed, when a notebook's code cells or the
-    package modules it used differ from what its stored outputs were made with, or when its
-    outputs were not made on a GPU; passes (printing ``pending:``) a stale notebook that
-    carries the pending notice written for exactly those findings.
+    Fails (exit 1), naming the notebook and what changed, when its code cells or the package
+    modules it used changed since its outputs were made, or those were not made on a GPU;
+    passes (printing ``pending:``) one with the pending notice written for those findings.
 
 ``python -m tutorial_utils.nbtools pending NB... --gpus N [--reason TEXT]``
-    Writes that notice at the top of each stale notebook (``tutorial_utils.pending``).
+    Writes that notice at the top of each stale notebook, or of one whose outputs come from
+    fewer GPUs than N (``tutorial_utils.pending``).
 """
 
 from __future__ import annotations
@@ -169,8 +169,9 @@ def check_notebook(
     if not pending.present(nb):
         return [Finding(path, p) for p in problems]
     # The notice records the strict findings (a CPU run counts), whatever --allow-cpu says.
-    notice = pending.problems(nb, path, stale_problems(nb, False, package_root))
-    return [Finding(path, p, pending=not notice) for p in problems + notice]
+    short = pending.gpu_shortfall(nb, nb.metadata[METADATA_KEY].get("pending", {}).get("gpus"))
+    notice = pending.problems(nb, path, stale_problems(nb, False, package_root) + short)
+    return [Finding(path, p, pending=not notice) for p in problems + short + notice]
 
 
 def mark_pending(
@@ -178,7 +179,7 @@ def mark_pending(
 ) -> list[str]:
     """Write (or refresh) the pending notice of ``path``; remove it if ``path`` is fresh."""
     nb = nbformat.read(path, as_version=4)
-    if problems := stale_problems(nb, False, package_root):
+    if problems := stale_problems(nb, False, package_root) + pending.gpu_shortfall(nb, gpus):
         pending.mark(nb, path, problems, gpus, reason)
     else:
         pending.remove(nb)

@@ -41,7 +41,8 @@ def render(path: Path, meta: dict) -> str:
     gpus = _gpus(record["gpus"])
     lines = [f":::{{admonition}} Re-execution on {gpus} pending", ":class: warning", ""]
     if executed(meta):
-        lines += [_made_from(meta.get("stamp", {})), "The code has changed since:", ""]
+        lines += [_made_from(meta.get("stamp", {})), "What they lack, or what has changed since:",
+                  ""]
         lines += [f"- {finding}" for finding in record["findings"]]
     else:
         lines.append("This chapter has never been executed on a GPU machine by `make execute`.")
@@ -52,6 +53,14 @@ def render(path: Path, meta: dict) -> str:
               f"{gpus}. This notice was written by `nbtools pending` on {record['date']}; "
               "`make execute` removes it.", ":::"]
     return "\n".join(lines)
+
+
+def gpu_shortfall(nb: nbformat.NotebookNode, gpus: int | None) -> list[str]:
+    """A run on fewer GPUs than the chapter's measurements need, as a finding (fresh or not)."""
+    n = nb.metadata.get(METADATA_KEY, {}).get("stamp", {}).get("gpu_count", 0)
+    if gpus is None or not 0 < n < gpus:
+        return []
+    return [f"its outputs come from a run on {n} GPU(s); its multi-GPU measurements need {gpus}"]
 
 
 def notice_cells(nb: nbformat.NotebookNode) -> list[int]:
