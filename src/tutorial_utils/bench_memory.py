@@ -1,0 +1,242 @@
+"""Chapter 5c's measurements: the memory of a training step per batch size, and checkpointing.
+
+:func:`activation_curve` measures one :func:`~tutorial_utils.memory.breakdown` per batch
+size, each with a fresh network and nothing else alive on the device; :func:`checkpoint_cost`
+measures the plain network against checkpointed ones, bytes and step time. The rest presents:
+tables, the two figures, and the flat summaries the chapter glues.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from .memory import PARTS, Breakdown, breakdown, checkpointed, train_step, zero_table
+from .models import wide_resnet
+from .report import Column, table
+from .timing import benchmark
+from .workload import cudnn_autotuning
+
+MiB, GiB = 2**20, 2**30
+LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
+          "weight_copies": "bf16 weight copies", "activations": "activations"}
+
+
+def build(model_name: str, batch: int, device, segment: int = 0):
+    """A WRN in channels_last (checkpointed if ``segment``), SGD as the book trains, a batch."""
+    torch.manual_seed(0)
+    net = wide_resnet(model_name).to(device, memory_format=torch.channels_last)
+    model = checkpointed(net, segment) if segment else net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    x = torch.randn(batch, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+    return model, optimizer, (x, torch.randint(0, 10, (batch,), device=device))
+
+
+def release(device) -> None:
+    """Free what the last measurement left, so the next peak counts only its own tensors."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def activation_curve(model_name: str, batches, device="cpu", segment: int = 0) -> list[Breakdown]:
+    """One breakdown per batch size, each with a fresh model, as the book trains."""
+    out = []
+    with cudnn_autotuning():
+        for batch in batches:
+            release(device)
+            model, optimizer, data = build(model_name, batch, device, segment)
+            out.append(breakdown(model, optimizer, data, name=model_name))
+            del model, optimizer, data
+    release(device)
+    return out
+
+
+def checkpoint_cost(model_name: str, batch: int, device="cpu", segments=(0, 1),
+                    warmup: int = 3, repeats: int = 10) -> list[dict]:
+    """Breakdown and median step time (ms) of the plain network (segment 0) and checkpointed."""
+    rows = []
+    for segment in segments:
+        (mem,) = activation_curve(model_name, [batch], device, segment)
+        with cudnn_autotuning():
+            model, optimizer, (x, y) = build(model_name, batch, device, segment)
+            timing = benchmark(lambda m=model, o=optimizer, a=x, b=y: train_step(m, o, a, b),
+                               warmup=warmup, repeats=repeats, device=device)
+        rows.append({"segment": segment, "breakdown": mem, "step_ms": timing.median_ms})
+        del model, optimizer, x, y
+        release(device)
+    return rows
+
+
+def predicted_activations(model_name: str, batch: int) -> int:
+    """Bytes a WRN keeps for backward in bf16: four feature maps per residual block.
+
+    Each block saves its input and its first ReLU's output (at the input's size), its first
+    convolution's output and its second ReLU's output (at the output's size); the head saves
+    the last block's output and the final ReLU's; the stem a bf16 copy of the images.
+    """
+    _, depth, k = model_name.split("-")
+    n, widths = (int(depth) - 4) // 6, [16, 16 * int(k), 32 * int(k), 64 * int(k)]
+    elements, side = 3 * 32 * 32, 32
+    for group in range(3):
+        for i in range(n):
+            elements += 2 * (widths[group] if i == 0 else widths[group + 1]) * side**2
+            side //= 2 if (group > 0 and i == 0) else 1
+            elements += 2 * widths[group + 1] * side**2
+    return 2 * batch * (elements + 2 * widths[3] * side**2)
+
+
+def fit_line(curve: list[Breakdown], key: str = "total") -> tuple[float, float]:
+    """Least-squares ``bytes = slope * batch + intercept`` over the curve (``key``: a part,
+    ``total`` or ``peak``); NaN for fewer than two batch sizes."""
+    xs = [float(b.batch) for b in curve]
+    ys = [float(getattr(b, key)) for b in curve]
+    if len(set(xs)) < 2:
+        return float("nan"), float("nan")
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum(
+        (x - mx) ** 2 for x in xs)
+    return slope, my - slope * mx
+
+
+def curve_table(curve: list[Breakdown]) -> str:
+    """One line per breakdown, in MiB; the peak is '-' where it was not measured (CPU)."""
+    cols = [Column("model", "model", width=11, left=True), Column("batch", "batch", width=6)]
+    heads = ("params", "grads", "optim", "bf16 copies", "activations")
+    cols += [Column(p, h, ".1f", 12) for p, h in zip(PARTS, heads, strict=True)]
+    cols += [Column("total", "sum", ".1f", 10), Column("peak", "peak", ".1f", 10),
+             Column("ratio", "peak/sum", ".3f", 10)]
+    rows = [{"model": b.model.upper(), "batch": b.batch, "total": b.total / MiB,
+             "peak": b.peak / MiB if b.peak else None,
+             "ratio": b.peak / b.total if b.peak else None,
+             **{p: getattr(b, p) / MiB for p in PARTS}} for b in curve]
+    return "all sizes in MiB\n" + table(rows, cols)
+
+
+def plot_curve(curve: list[Breakdown], title: str):
+    """Stacked bars of the parts per batch size, the measured peak as a marker on each."""
+    import matplotlib.pyplot as plt
+
+    unit, name = (GiB, "GiB") if max(b.total for b in curve) > GiB else (MiB, "MiB")
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    xs, bottom = range(len(curve)), [0.0] * len(curve)
+    for part in PARTS:
+        values = [getattr(b, part) / unit for b in curve]
+        ax.bar(xs, values, bottom=bottom, label=LABELS[part], width=0.6)
+        bottom = [a + v for a, v in zip(bottom, values, strict=True)]
+    peaks = [(i, b.peak / unit) for i, b in zip(xs, curve, strict=True) if b.peak]
+    if peaks:
+        ax.plot(*zip(*peaks, strict=True), "k_", markersize=28, markeredgewidth=2.5,
+                label="measured peak")
+    else:
+        ax.text(0.02, 0.95, "peak not measured: no GPU", transform=ax.transAxes, va="top")
+    ax.set_xticks(list(xs), [str(b.batch) for b in curve])
+    ax.set_xlabel("batch size (images)")
+    ax.set_ylabel(f"memory ({name})")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def segment_label(segment: int) -> str:
+    return "plain" if segment == 0 else f"checkpoint every {segment} block(s)"
+
+
+def checkpoint_table(rows: list[dict]) -> str:
+    cols = [Column("label", "network", width=30, left=True), Column("act", "saved MiB", ".1f", 11),
+            Column("peak", "peak MiB", ".1f", 10), Column("ms", "step ms", ".1f", 9),
+            Column("slower", "time", ".2f", 7)]
+    base = rows[0]["step_ms"]
+    return table([{"label": segment_label(r["segment"]), "ms": r["step_ms"],
+                   "slower": r["step_ms"] / base,
+                   "act": (r["breakdown"].activations + r["breakdown"].weight_copies) / MiB,
+                   "peak": r["breakdown"].peak / MiB if r["breakdown"].peak else None}
+                  for r in rows], cols)
+
+
+def plot_checkpointing(rows: list[dict], title: str):
+    """Memory against step time, one point per network (the peak on a GPU, else the sum)."""
+    import matplotlib.pyplot as plt
+
+    measured = all(r["breakdown"].peak for r in rows)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for r in rows:
+        b = r["breakdown"]
+        ax.plot(r["step_ms"], (b.peak if measured else b.total) / MiB, "o", markersize=9,
+                label=segment_label(r["segment"]))
+    ax.set_xlabel("training step (ms, median)")
+    ax.set_ylabel("measured peak (MiB)" if measured else "sum of the parts (MiB, no GPU)")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.margins(0.2)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    fig.tight_layout()
+    return fig
+
+
+def batchnorm_updates(model_name: str, segment: int) -> int:
+    """Batches the first BatchNorm has counted after one training step (1 without recompute)."""
+    model, optimizer, (x, y) = build(model_name, 2, "cpu", segment)
+    train_step(model, optimizer, x, y)
+    return int(next(m for m in model.modules()
+                    if isinstance(m, torch.nn.BatchNorm2d)).num_batches_tracked)
+
+
+def zero_text(n_params: int, world_sizes=(2, 8), precision: str = "fp32") -> str:
+    """Bytes per parameter and MiB per rank of the model state, per optimizer and stage."""
+    cols = [Column("optimizer", "optimizer", width=10, left=True),
+            Column("stage", "stage", width=11, left=True)]
+    rows: dict[tuple, dict] = {}
+    for n in world_sizes:
+        cols += [Column(f"b{n}", f"B/param N={n}", ".2f", 15),
+                 Column(f"m{n}", f"MiB/rank N={n}", ".1f", 15)]
+        for r in zero_table(n_params, n, precision):
+            row = rows.setdefault((r["optimizer"], r["stage"]), {
+                "optimizer": "SGD+mom." if r["optimizer"] == "sgd" else "Adam",
+                "stage": r["stage"]})
+            row |= {f"b{n}": r["bytes_per_param"], f"m{n}": r["bytes_per_rank"] / MiB}
+    return table(rows.values(), cols)
+
+
+def curve_summary(curve: list[Breakdown], ref_batch: int, capacity: int | None) -> dict:
+    """The reference batch's parts in MiB, the peak against the sum, the per-image slope,
+    and the largest batch a device of ``capacity`` bytes would hold by that line."""
+    nan = float("nan")
+    ref = next(b for b in curve if b.batch == ref_batch)
+    out = {f"{p}_mib": getattr(ref, p) / MiB for p in PARTS}
+    state = ref.parameters + ref.gradients + ref.optimizer
+    key = "peak" if all(b.peak for b in curve) else "total"
+    slope, intercept = fit_line(curve, key)
+    out |= {"model": ref.model.upper(), "ref_batch": ref_batch, "total_mib": ref.total / MiB,
+            "state_mib": state / MiB, "peak_mib": ref.peak / MiB if ref.peak else nan,
+            "peak_over_sum": ref.peak / ref.total if ref.peak else nan,
+            "peak_off_pct": 100 * abs(ref.peak / ref.total - 1) if ref.peak else nan,
+            "act_share_pct": 100 * ref.activations / ref.total,
+            "per_image_mib": slope / MiB, "fixed_mib": intercept / MiB,
+            "capacity_gib": capacity / GiB if capacity else nan,
+            "largest_batch": int((capacity - intercept) / slope + 1e-9)
+            if capacity and slope > 0 else nan,
+            "batch_min": curve[0].batch, "batch_max": curve[-1].batch,
+            "batch_ratio": curve[-1].batch // curve[0].batch,
+            "act_growth": curve[-1].activations / curve[0].activations}
+    return out
+
+
+def checkpoint_summary(rows: list[dict], names=("plain", "block", "group")) -> dict:
+    """Per network (named by position): bytes saved for backward, peak, step time, and the
+    memory saved and time lost against the plain network (the first row)."""
+    nan, out = float("nan"), {}
+    base = rows[0]
+    for name, r in zip(names, rows, strict=True):
+        b, b0 = r["breakdown"], base["breakdown"]
+        out |= {f"ck_{name}_segment": r["segment"], f"ck_{name}_ms": r["step_ms"],
+                f"ck_{name}_saved_mib": (b.activations + b.weight_copies) / MiB,
+                f"ck_{name}_peak_mib": b.peak / MiB if b.peak else nan,
+                f"ck_{name}_saved_frac": (b.activations + b.weight_copies)
+                / (b0.activations + b0.weight_copies),
+                f"ck_{name}_peak_cut_pct": 100 * (1 - b.peak / b0.peak) if b.peak else nan,
+                f"ck_{name}_slower_pct": 100 * (r["step_ms"] / base["step_ms"] - 1)}
+    return out | {"ck_model": base["breakdown"].model.upper(), "ck_batch": base["breakdown"].batch}

@@ -1,0 +1,180 @@
+"""Where the memory of a training step goes: parameters, gradients, optimizer state, activations.
+
+:func:`breakdown` counts each part in bytes as the book trains (bf16 autocast, channels_last,
+SGD with Nesterov momentum) and, on a GPU, measures the step's peak. :func:`checkpointed`
+recomputes the residual blocks' activations in backward instead of keeping them
+(:func:`checkpoint_cost` measures the trade). :func:`zero_table` is ZeRO's accounting
+(Rajbhandari et al., 2020): what sharding over N GPUs removes of the model state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .models.wrn import BasicBlock
+from .timing import synchronize
+
+PARTS = ("parameters", "gradients", "optimizer", "weight_copies", "activations")
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Bytes held during one training step of ``model`` on ``batch`` images."""
+
+    model: str
+    batch: int
+    parameters: int  # with the buffers (BatchNorm's running statistics)
+    gradients: int
+    optimizer: int  # SGD's momentum: exists only after the first step
+    weight_copies: int  # autocast's bf16 copies of the weights, saved for backward
+    activations: int  # every other tensor saved for backward
+    peak: int | None = None  # torch.cuda.max_memory_allocated over the step (GPU only)
+
+    @property
+    def total(self) -> int:  # the sum of the parts
+        return sum(getattr(self, part) for part in PARTS)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(seen.values())
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """True when ``t`` comes from a parameter through one-input ops only (a cast, a transpose)."""
+    fn = t.grad_fn
+    while fn is not None and len(fn.next_functions) == 1:
+        fn = fn.next_functions[0][0]
+        if isinstance(getattr(fn, "variable", None), nn.Parameter):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def saved_tensors(exclude=()) -> Iterator[dict[str, dict[int, int]]]:
+    """Count what autograd saves for backward inside the ``with`` block, each storage once.
+
+    A pack hook sees every tensor an operation keeps for its backward, on any device.
+    Tensors sharing a storage (a ReLU's output that the next convolution also saves) count
+    once, the storages in ``exclude`` (the parameters) not at all. Yields
+    ``{"activations": {ptr: bytes}, "weight_copies": {ptr: bytes}}``.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    found: dict[str, dict[int, int]] = {"activations": {}, "weight_copies": {}}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in skip:
+            kind = "weight_copies" if _is_weight_copy(t) else "activations"
+            found[kind][storage.data_ptr()] = storage.nbytes()
+        return t  # the tensor itself: it lives exactly as long as it would without the hook
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield found
+
+
+def _forward_loss(model, x, y, bf16: bool) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+        return F.cross_entropy(model(x), y)
+
+
+def train_step(model, optimizer, x, y, bf16: bool = True) -> None:
+    """Forward, loss, backward and update, as chapter 2 times it."""
+    _forward_loss(model, x, y, bf16).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *, name: str = "",
+              bf16: bool = True) -> Breakdown:
+    """Run two training steps on ``batch = (x, y)`` and account for the bytes of the second.
+
+    The first step creates the optimizer's state (and lets cuDNN pick its algorithms). In the
+    second, :func:`saved_tensors` counts what forward keeps for backward, and on a GPU
+    the peak of the whole step (forward, backward, update) is read from the allocator. Besides
+    the parts, that peak holds everything else alive at its moment: the batch, the logits and
+    loss, cuDNN's workspaces, the gradients flowing backward and other temporaries of backward,
+    the allocator's rounding of each block to 512 bytes, and any other tensor of the process,
+    so measure with nothing else on the GPU. The parts need not all be alive at once either:
+    backward frees a layer's activations as it creates that layer's gradients.
+    """
+    x, y = batch
+    cuda = x.device.type == "cuda"
+    train_step(model, optimizer, x, y, bf16)
+    params = list(model.parameters())
+    state = [v for s in optimizer.state.values() for v in s.values()
+             if torch.is_tensor(v) and v.device == x.device]  # Adam's step counts stay on the CPU
+    if cuda:
+        synchronize(x.device)
+        torch.cuda.reset_peak_memory_stats(x.device)
+    with saved_tensors(exclude=params + list(model.buffers())) as saved:
+        loss = _forward_loss(model, x, y, bf16)
+    loss.backward()
+    grads = storage_bytes(p.grad for p in params if p.grad is not None)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    peak = torch.cuda.max_memory_allocated(x.device) if cuda else None
+    return Breakdown(name, len(x), storage_bytes([*params, *model.buffers()]), grads,
+                     storage_bytes(state), sum(saved["weight_copies"].values()),
+                     sum(saved["activations"].values()), peak)
+
+
+class Checkpointed(nn.Module):
+    """A run of residual blocks whose activations are recomputed in backward, not kept."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(*blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Forward keeps only x. Backward runs the blocks again (autocast and the RNG state as
+        # in forward) and then their backward: one segment's activations exist at a time.
+        return checkpoint(self.blocks, x, use_reentrant=False)
+
+
+def checkpointed(model: nn.Sequential, segment: int = 1, wrapper=Checkpointed) -> nn.Sequential:
+    """The same network, its parameters shared, with each ``segment`` blocks checkpointed.
+
+    The recomputation runs BatchNorm in training mode once more, so its running statistics
+    are updated twice per step; the gradients are those of the plain network.
+    """
+    layers = list(model)
+    blocks = [i for i, layer in enumerate(layers) if isinstance(layer, BasicBlock)]
+    first, last = blocks[0], blocks[-1] + 1
+    runs = [wrapper(layers[i:min(i + segment, last)]) for i in range(first, last, segment)]
+    return nn.Sequential(*layers[:first], *runs, *layers[last:])
+
+
+# Bytes per parameter of (parameters, gradients, optimizer state). "fp32": FP32 weights and
+# gradients, bf16 only inside autocast, as this book trains. "mixed": the ZeRO paper's
+# recipe, 16-bit weights and gradients plus an FP32 master copy of the weights in the state.
+BYTES_PER_PARAM = {
+    ("sgd", "fp32"): (4, 4, 4),  # momentum
+    ("adam", "fp32"): (4, 4, 8),  # two moments
+    ("sgd", "mixed"): (2, 2, 8),  # master weights, momentum
+    ("adam", "mixed"): (2, 2, 12),  # master weights, two moments: the paper's K = 12
+}
+STAGES = ("replicated", "ZeRO-1", "ZeRO-2", "ZeRO-3")  # ZeRO-k shards the last k parts
+
+
+def bytes_per_param(optimizer: str, precision: str, stage: str, world_size: int) -> float:
+    """Bytes per parameter on each of ``world_size`` ranks (ZeRO, Rajbhandari et al. 2020)."""
+    parts = BYTES_PER_PARAM[(optimizer, precision)]
+    sharded = STAGES.index(stage)  # 0: none; 1: optimizer state; 2: + gradients; 3: + weights
+    return sum(b / world_size if i >= 3 - sharded else b for i, b in enumerate(parts))
+
+
+def zero_table(n_params: int, world_size: int, precision: str = "fp32") -> list[dict]:
+    """Bytes per rank of the model state, for SGD with momentum and Adam, per ZeRO stage."""
+    return [{"optimizer": opt, "stage": stage, "world_size": world_size,
+             "bytes_per_param": (b := bytes_per_param(opt, precision, stage, world_size)),
+             "bytes_per_rank": b * n_params}
+            for opt in ("sgd", "adam") for stage in STAGES]
