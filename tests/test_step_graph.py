@@ -1,4 +1,6 @@
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -6,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorial_utils.launch import torchrun
-from tutorial_utils.step_graph import StepGraph
+from tutorial_utils.launch import LaunchError, torchrun
+from tutorial_utils.step_graph import (
+    ReplayWatchdog,
+    StepGraph,
+)
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -104,3 +109,91 @@ def test_step_timing_records_a_captured_run(tmp_path):
     assert record["capture"] and record["world_size"] == 2
     assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0 and record["host_ms"] > 0
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+class FakeEvent:
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_watchdog_times_out_a_replay_that_never_finishes():
+    clock, fired = FakeClock(), []
+    dog = ReplayWatchdog(10.0, lambda: fired.append(clock.now), clock=clock)
+    dog.watch(FakeEvent(done=False))
+    clock.now = 9.0
+    assert not dog.check() and not fired
+    clock.now = 10.5
+    assert dog.check() and fired == [10.5]
+
+
+def test_watchdog_leaves_replays_that_finish_alone():
+    clock, fired = FakeClock(), []
+    dog = ReplayWatchdog(10.0, lambda: fired.append(clock.now), clock=clock)
+    first, second = FakeEvent(), FakeEvent()
+    dog.watch(first)
+    dog.watch(second)  # queued at 0 behind the first
+    clock.now = 8.0
+    first.done = True
+    assert not dog.check()  # the second could only start at 8
+    clock.now = 15.0
+    assert not dog.check()
+    second.done = True
+    clock.now = 1000.0
+    assert not dog.check() and not fired
+
+
+def test_watchdog_thread_calls_back_and_stops_when_the_graph_is_released():
+    fired = threading.Event()
+    dog = ReplayWatchdog(0.05, fired.set)
+    dog.start()
+    dog.watch(FakeEvent(done=False))
+    assert fired.wait(timeout=10)  # the thread ends the wait, with the real clock
+    dog.stop()
+    graph = StepGraph(torch.device("cpu"), timeout_s=600)
+    graph.watchdog.start()
+    thread = graph.watchdog.thread
+    assert thread.is_alive()
+    t0 = time.monotonic()
+    graph.release()
+    assert not thread.is_alive() and graph.watchdog.thread is None
+    assert time.monotonic() - t0 < 5  # it does not sleep out its polling interval
+
+
+@pytest.mark.gpu
+def test_a_replay_that_never_finishes_calls_the_watchdog():
+    dev = torch.device("cuda")
+    net, opt, x, y = tiny_problem(dev)
+    fired = threading.Event()
+
+    def slow_body():
+        F.cross_entropy(net(x), y).backward()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, recorded
+
+    with StepGraph(dev, timeout_s=0.2) as graph:
+        step = graph.capture(slow_body, net, opt, warmup=1)
+        graph.watchdog.on_timeout = fired.set  # instead of ending this process
+        step()
+        assert fired.wait(timeout=30)
+        torch.cuda.synchronize()
+        thread = graph.watchdog.thread
+    assert not thread.is_alive()
+
+
+@pytest.mark.multigpu
+def test_a_peer_that_stops_replaying_ends_the_job_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        torchrun(str(WORKERS / "graph_peer_stops.py"), nproc=2, timeout_s=240, echo=False)
+    assert time.monotonic() - t0 < 120  # the stopped peer sleeps 300 s
+    assert str(err.value).startswith("rank 0 failed: TimeoutError: rank 0: a replayed CUDA graph")
