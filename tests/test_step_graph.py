@@ -12,6 +12,7 @@ from tutorial_utils.launch import LaunchError, torchrun
 from tutorial_utils.step_graph import (
     ReplayWatchdog,
     StepGraph,
+    _check_grads_unchanged,
 )
 
 WORKERS = Path(__file__).parent / "workers"
@@ -168,6 +169,32 @@ def test_watchdog_thread_calls_back_and_stops_when_the_graph_is_released():
     graph.release()
     assert not thread.is_alive() and graph.watchdog.thread is None
     assert time.monotonic() - t0 < 5  # it does not sleep out its polling interval
+
+
+def test_zero_grad_between_replays_is_refused():
+    net, opt, x, y = tiny_problem("cpu")
+    F.cross_entropy(net(x), y).backward()
+    params = list(net.parameters())
+    captured = [p.grad for p in params]
+    opt.zero_grad(set_to_none=False)  # in place: the graph's tensors stay
+    _check_grads_unchanged(params, captured)
+    opt.zero_grad()  # set_to_none=True, the default
+    with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\)"):
+        _check_grads_unchanged(params, captured)
+
+
+@pytest.mark.gpu
+def test_zero_grad_between_replays_raises_on_a_gpu():
+    dev = torch.device("cuda")
+    net, opt, x, y = tiny_problem(dev)
+    with StepGraph(dev) as graph:
+        step = graph.capture(lambda: F.cross_entropy(net(x), y).backward(), net, opt, warmup=2)
+        step()
+        opt.zero_grad(set_to_none=False)
+        step()
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            step()
 
 
 @pytest.mark.gpu

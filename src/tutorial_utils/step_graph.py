@@ -66,6 +66,8 @@ class StepGraph:
                 static_x.copy_(batch)
                 loss = step()  # one graph launch; what body returned, refilled
 
+    - No ``optimizer.zero_grad()`` (``set_to_none=True``) between replays, or the graph writes
+      gradients no parameter holds (``RuntimeError``); each replay overwrites them anyway.
     - NCCL's watchdog does not see the graph's collectives: when a replay has not finished
       within ``timeout_s`` (the process group's 600 s), one line goes to stderr and the
       process exits (``os._exit(1)``), so torchrun ends the job.
@@ -135,10 +137,13 @@ class StepGraph:
                     t.copy_(before[id(t)])
                 else:  # state the warm-up created (momentum, say) starts from zero, as if new
                     t.zero_()
+        params = list(model.parameters())
+        grads = [p.grad for p in params]  # what the graph writes, from its own memory
         # The thread queries events: on this GPU, not on GPU 0 (a context there costs memory).
         self.watchdog.start(setup=lambda: torch.cuda.set_device(self.device))
 
         def replay() -> T:
+            _check_grads_unchanged(params, grads)
             graph.replay()
             self.watchdog.watch(torch.cuda.current_stream(self.device).record_event())
             return outputs
@@ -199,6 +204,16 @@ def _end_process(timeout_s: float) -> None:
           f"finish within {timeout_s:g} s (did a peer stop replaying?); StepGraph's watchdog "
           "ends the process", file=sys.stderr, flush=True)
     os._exit(1)
+
+
+def _check_grads_unchanged(params: list[torch.Tensor], captured: list[torch.Tensor | None]):
+    """Raise unless every parameter's ``.grad`` is still the tensor the graph writes."""
+    for p, g in zip(params, captured, strict=True):
+        if p.grad is not g:
+            raise RuntimeError(
+                "a .grad is no longer the tensor the CUDA graph writes, so the replays would "
+                "train on nothing: don't call zero_grad(set_to_none=True) (the default) between "
+                "replays; call zero_grad(set_to_none=False) or nothing (a replay overwrites them)")
 
 
 def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
