@@ -13,15 +13,18 @@ from tutorial_utils.step_graph import (
     ReplayWatchdog,
     StepGraph,
     _check_grads_unchanged,
+    _check_lr,
 )
 
 WORKERS = Path(__file__).parent / "workers"
 
 
-def tiny_problem(device, seed=0):
+def tiny_problem(device, seed=0, tensor_lr=False):
+    """With ``tensor_lr``, an SGD that may run inside the graph: fused, reading a tensor lr."""
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)).to(device)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    lr = torch.tensor(0.1, device=device) if tensor_lr else 0.1
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, fused=tensor_lr or None)
     x = torch.randn(64, 8, device=device)
     y = torch.randint(0, 3, (64,), device=device)
     return net, opt, x, y
@@ -68,7 +71,9 @@ def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
                for _ in range(4)]
     weights = []
     for capture in (False, True):
-        net, opt, x, y = tiny_problem(dev)
+        net, opt, x, y = tiny_problem(dev, tensor_lr=optimizer_in_graph)
+        # the lr changes every step: a replayed optimizer must read it from its tensor
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
         x.copy_(batches[-1][0])  # the warm-up trains on this; capture undoes it
         y.copy_(batches[-1][1])
 
@@ -89,6 +94,7 @@ def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
                 step()
                 if not optimizer_in_graph:
                     opt.step()  # eagerly, on the gradients the replay left
+                sched.step()
             torch.cuda.synchronize()
             weights.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
         assert graph.graph is None  # released on leaving the block
@@ -104,7 +110,8 @@ def test_ddp_all_reduces_run_inside_the_replayed_graph():
 def test_step_timing_records_a_captured_run(tmp_path):
     out = tmp_path / "st.jsonl"
     args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
-            "--device", "cpu", "--capture", "--out", str(out), "--trace", str(tmp_path / "t.json")]
+            "--device", "cpu", "--capture", "--optimizer", "fused", "--out", str(out),
+            "--trace", str(tmp_path / "t.json")]
     torchrun("tutorial_utils.workers.step_timing", args, nproc=2, timeout_s=300, echo=False)
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["capture"] and record["world_size"] == 2
@@ -181,6 +188,49 @@ def test_zero_grad_between_replays_is_refused():
     opt.zero_grad()  # set_to_none=True, the default
     with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\)"):
         _check_grads_unchanged(params, captured)
+
+
+def test_an_optimizer_with_a_float_lr_is_refused_inside_the_step():
+    net, opt, x, y = tiny_problem("cpu")
+    before = [p.detach().clone() for p in net.parameters()]
+
+    def body():
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    step = StepGraph(torch.device("cpu")).capture(body, net, opt)
+    with pytest.raises(ValueError, match=r"lr=torch\.tensor\(0\.1, device=device\), fused=True"):
+        step()
+    for p, b in zip(net.parameters(), before, strict=True):  # refused before the update
+        assert torch.equal(p, b)
+    opt.step()  # outside the step a float lr is fine (the scheduler reaches it)
+
+
+def test_a_tensor_lr_is_accepted_and_the_scheduler_reaches_it():
+    net, opt, x, y = tiny_problem("cpu", tensor_lr=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    lr = opt.param_groups[0]["lr"]
+
+    def body():
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    step = StepGraph(torch.device("cpu")).capture(body, net, opt)
+    for _ in range(3):
+        step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.1 / 8)
+
+
+def test_a_recorded_step_needs_an_optimizer_that_reads_its_tensor_lr_on_the_device():
+    net = nn.Linear(2, 2)
+    lr = torch.tensor(0.1)
+    foreach = torch.optim.SGD(net.parameters(), lr=lr, foreach=True)
+    _check_lr(foreach, capturing=False)  # eagerly, any tensor lr will do
+    with pytest.raises(ValueError, match="fused=True"):
+        _check_lr(foreach, capturing=True)  # a recorded foreach step bakes lr.item() in
+    _check_lr(torch.optim.SGD(net.parameters(), lr=lr, fused=True), capturing=True)
+    _check_lr(torch.optim.Adam(net.parameters(), lr=lr, capturable=False, fused=True), True)
 
 
 @pytest.mark.gpu

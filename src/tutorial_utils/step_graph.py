@@ -68,6 +68,10 @@ class StepGraph:
 
     - No ``optimizer.zero_grad()`` (``set_to_none=True``) between replays, or the graph writes
       gradients no parameter holds (``RuntimeError``); each replay overwrites them anyway.
+    - If ``body`` steps the optimizer, a float lr is baked into the kernels, out of the
+      scheduler's reach: use a tensor lr the kernels read on the parameters' device,
+      ``SGD(..., lr=torch.tensor(0.1, device=dev), fused=True)`` (``capturable=True`` for
+      Adam and others). Otherwise ``ValueError``, on a CPU too (any tensor lr will do there).
     - NCCL's watchdog does not see the graph's collectives: when a replay has not finished
       within ``timeout_s`` (the process group's 600 s), one line goes to stderr and the
       process exits (``os._exit(1)``), so torchrun ends the job.
@@ -119,7 +123,12 @@ class StepGraph:
 
         def eager_step() -> T:
             optimizer.zero_grad(set_to_none=True)
-            return body()
+            # Eager steps (the warm-up's too) check the lr: before capture, and on a CPU alike.
+            hook = optimizer.register_step_pre_hook(lambda o, *_: _check_lr(o, self.enabled))
+            try:
+                return body()
+            finally:
+                hook.remove()
 
         if not self.enabled:
             return eager_step
@@ -214,6 +223,22 @@ def _check_grads_unchanged(params: list[torch.Tensor], captured: list[torch.Tens
                 "a .grad is no longer the tensor the CUDA graph writes, so the replays would "
                 "train on nothing: don't call zero_grad(set_to_none=True) (the default) between "
                 "replays; call zero_grad(set_to_none=False) or nothing (a replay overwrites them)")
+
+
+def _check_lr(optimizer: torch.optim.Optimizer, capturing: bool) -> None:
+    """Refuse a learning rate that a recorded optimizer step would freeze."""
+    for group in optimizer.param_groups:
+        lr = group["lr"]
+        # foreach SGD bakes a tensor lr too; fused or capturable ones read it (others: trusted)
+        flags = [bool(group[k]) for k in ("fused", "capturable") if k in group]
+        ok = isinstance(lr, torch.Tensor) and (not capturing or (
+            lr.device == group["params"][0].device and (any(flags) or not flags)))
+        if not ok:
+            raise ValueError(
+                f"body steps the optimizer with lr={lr!r}, which a CUDA graph bakes into its "
+                "kernels (a scheduler would never reach it): use SGD(..., lr=torch.tensor(0.1, "
+                "device=device), fused=True), capturable=True for Adam and others, or step the "
+                "optimizer outside body, after each replay")
 
 
 def _state_tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
