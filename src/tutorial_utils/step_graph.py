@@ -148,8 +148,8 @@ class StepGraph:
                     t.zero_()
         params = list(model.parameters())
         grads = [p.grad for p in params]  # what the graph writes, from its own memory
-        # The thread queries events: on this GPU, not on GPU 0 (a context there costs memory).
-        self.watchdog.start(setup=lambda: torch.cuda.set_device(self.device))
+        # Query events on this GPU, not GPU 0 (a context costs memory); the stream's has an index.
+        self.watchdog.start(setup=lambda: torch.cuda.set_device(self._stream.device))
 
         def replay() -> T:
             _check_grads_unchanged(params, grads)
