@@ -134,7 +134,8 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
             # Compiled inside DDP; with CUDA graphs as one graph, its gradients all-reduced
             # after backward (compile_for_ddp says why).
             model = settings.wrap(compile_for_ddp(net, args.compile, ctx), ctx)
-    sgd = dict(lr=0.01, momentum=0.9, nesterov=True)
+    # A tensor lr: StepGraph refuses a float for an optimizer stepped inside the graph.
+    sgd = dict(lr=torch.tensor(0.01, device=dev), momentum=0.9, nesterov=True)
     if args.optimizer == "averaging":
         opt = AveragingSGD(buckets, **sgd)
     else:

@@ -1,4 +1,6 @@
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -6,16 +8,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorial_utils.launch import torchrun
-from tutorial_utils.step_graph import StepGraph
+from tutorial_utils.launch import LaunchError, torchrun
+from tutorial_utils.step_graph import (
+    ReplayWatchdog,
+    StepGraph,
+    _check_grads_unchanged,
+    _check_lr,
+)
 
 WORKERS = Path(__file__).parent / "workers"
 
 
-def tiny_problem(device, seed=0):
+def tiny_problem(device, seed=0, tensor_lr=False):
+    """With ``tensor_lr``, an SGD that may run inside the graph: fused, reading a tensor lr."""
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 3)).to(device)
-    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    lr = torch.tensor(0.1, device=device) if tensor_lr else 0.1
+    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, fused=tensor_lr or None)
     x = torch.randn(64, 8, device=device)
     y = torch.randint(0, 3, (64,), device=device)
     return net, opt, x, y
@@ -62,7 +71,9 @@ def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
                for _ in range(4)]
     weights = []
     for capture in (False, True):
-        net, opt, x, y = tiny_problem(dev)
+        net, opt, x, y = tiny_problem(dev, tensor_lr=optimizer_in_graph)
+        # the lr changes every step: a replayed optimizer must read it from its tensor
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
         x.copy_(batches[-1][0])  # the warm-up trains on this; capture undoes it
         y.copy_(batches[-1][1])
 
@@ -83,6 +94,7 @@ def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
                 step()
                 if not optimizer_in_graph:
                     opt.step()  # eagerly, on the gradients the replay left
+                sched.step()
             torch.cuda.synchronize()
             weights.append(torch.cat([p.detach().flatten() for p in net.parameters()]))
         assert graph.graph is None  # released on leaving the block
@@ -98,9 +110,167 @@ def test_ddp_all_reduces_run_inside_the_replayed_graph():
 def test_step_timing_records_a_captured_run(tmp_path):
     out = tmp_path / "st.jsonl"
     args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
-            "--device", "cpu", "--capture", "--out", str(out), "--trace", str(tmp_path / "t.json")]
+            "--device", "cpu", "--capture", "--optimizer", "fused", "--out", str(out),
+            "--trace", str(tmp_path / "t.json")]
     torchrun("tutorial_utils.workers.step_timing", args, nproc=2, timeout_s=300, echo=False)
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["capture"] and record["world_size"] == 2
     assert record["ddp_ms"] > 0 and record["no_sync_ms"] > 0 and record["host_ms"] > 0
     assert (tmp_path / "t.json").stat().st_size > 0
+
+
+class FakeEvent:
+    def __init__(self, done=False):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_watchdog_times_out_a_replay_that_never_finishes():
+    clock, fired = FakeClock(), []
+    dog = ReplayWatchdog(10.0, lambda: fired.append(clock.now), clock=clock)
+    dog.watch(FakeEvent(done=False))
+    clock.now = 9.0
+    assert not dog.check() and not fired
+    clock.now = 10.5
+    assert dog.check() and fired == [10.5]
+
+
+def test_watchdog_leaves_replays_that_finish_alone():
+    clock, fired = FakeClock(), []
+    dog = ReplayWatchdog(10.0, lambda: fired.append(clock.now), clock=clock)
+    first, second = FakeEvent(), FakeEvent()
+    dog.watch(first)
+    dog.watch(second)  # queued at 0 behind the first
+    clock.now = 8.0
+    first.done = True
+    assert not dog.check()  # the second could only start at 8
+    clock.now = 15.0
+    assert not dog.check()
+    second.done = True
+    clock.now = 1000.0
+    assert not dog.check() and not fired
+
+
+def test_watchdog_thread_calls_back_and_stops_when_the_graph_is_released():
+    fired = threading.Event()
+    dog = ReplayWatchdog(0.05, fired.set)
+    dog.start()
+    dog.watch(FakeEvent(done=False))
+    assert fired.wait(timeout=10)  # the thread ends the wait, with the real clock
+    dog.stop()
+    graph = StepGraph(torch.device("cpu"), timeout_s=600)
+    graph.watchdog.start()
+    thread = graph.watchdog.thread
+    assert thread.is_alive()
+    t0 = time.monotonic()
+    graph.release()
+    assert not thread.is_alive() and graph.watchdog.thread is None
+    assert time.monotonic() - t0 < 5  # it does not sleep out its polling interval
+
+
+def test_zero_grad_between_replays_is_refused():
+    net, opt, x, y = tiny_problem("cpu")
+    F.cross_entropy(net(x), y).backward()
+    params = list(net.parameters())
+    captured = [p.grad for p in params]
+    opt.zero_grad(set_to_none=False)  # in place: the graph's tensors stay
+    _check_grads_unchanged(params, captured)
+    opt.zero_grad()  # set_to_none=True, the default
+    with pytest.raises(RuntimeError, match=r"zero_grad\(set_to_none=False\)"):
+        _check_grads_unchanged(params, captured)
+
+
+def test_an_optimizer_with_a_float_lr_is_refused_inside_the_step():
+    net, opt, x, y = tiny_problem("cpu")
+    before = [p.detach().clone() for p in net.parameters()]
+
+    def body():
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    step = StepGraph(torch.device("cpu")).capture(body, net, opt)
+    with pytest.raises(ValueError, match=r"lr=torch\.tensor\(0\.1, device=device\), fused=True"):
+        step()
+    for p, b in zip(net.parameters(), before, strict=True):  # refused before the update
+        assert torch.equal(p, b)
+    opt.step()  # outside the step a float lr is fine (the scheduler reaches it)
+
+
+def test_a_tensor_lr_is_accepted_and_the_scheduler_reaches_it():
+    net, opt, x, y = tiny_problem("cpu", tensor_lr=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    lr = opt.param_groups[0]["lr"]
+
+    def body():
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    step = StepGraph(torch.device("cpu")).capture(body, net, opt)
+    for _ in range(3):
+        step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] is lr and lr.item() == pytest.approx(0.1 / 8)
+
+
+def test_a_recorded_step_needs_an_optimizer_that_reads_its_tensor_lr_on_the_device():
+    net = nn.Linear(2, 2)
+    lr = torch.tensor(0.1)
+    foreach = torch.optim.SGD(net.parameters(), lr=lr, foreach=True)
+    _check_lr(foreach, capturing=False)  # eagerly, any tensor lr will do
+    with pytest.raises(ValueError, match="fused=True"):
+        _check_lr(foreach, capturing=True)  # a recorded foreach step bakes lr.item() in
+    _check_lr(torch.optim.SGD(net.parameters(), lr=lr, fused=True), capturing=True)
+    _check_lr(torch.optim.Adam(net.parameters(), lr=lr, capturable=False, fused=True), True)
+
+
+@pytest.mark.gpu
+def test_zero_grad_between_replays_raises_on_a_gpu():
+    dev = torch.device("cuda")
+    net, opt, x, y = tiny_problem(dev)
+    with StepGraph(dev) as graph:
+        step = graph.capture(lambda: F.cross_entropy(net(x), y).backward(), net, opt, warmup=2)
+        step()
+        opt.zero_grad(set_to_none=False)
+        step()
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="zero_grad"):
+            step()
+
+
+@pytest.mark.gpu
+def test_a_replay_that_never_finishes_calls_the_watchdog():
+    dev = torch.device("cuda")
+    net, opt, x, y = tiny_problem(dev)
+    fired = threading.Event()
+
+    def slow_body():
+        F.cross_entropy(net(x), y).backward()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU time, recorded
+
+    with StepGraph(dev, timeout_s=0.2) as graph:
+        step = graph.capture(slow_body, net, opt, warmup=1)
+        graph.watchdog.on_timeout = fired.set  # instead of ending this process
+        step()
+        assert fired.wait(timeout=30)
+        torch.cuda.synchronize()
+        thread = graph.watchdog.thread
+    assert not thread.is_alive()
+
+
+@pytest.mark.multigpu
+def test_a_peer_that_stops_replaying_ends_the_job_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as err:
+        torchrun(str(WORKERS / "graph_peer_stops.py"), nproc=2, timeout_s=240, echo=False)
+    assert time.monotonic() - t0 < 120  # the stopped peer sleeps 300 s
+    assert str(err.value).startswith("rank 0 failed: TimeoutError: rank 0: a replayed CUDA graph")

@@ -34,6 +34,12 @@ def small_net() -> nn.Sequential:
                          nn.Flatten(), nn.Linear(16, 10))
 
 
+def graph_sgd(params, device) -> torch.optim.SGD:
+    """SGD that may be stepped inside a CUDA graph: fused, reading its lr from a tensor."""
+    return torch.optim.SGD(params, **{**SGD, "lr": torch.tensor(SGD["lr"], device=device)},
+                           fused=True)
+
+
 def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None,
             transport="all-reduce", averaging=False) -> torch.Tensor:
     torch.manual_seed(ctx.rank)  # different initial weights: both must broadcast rank 0's
@@ -43,7 +49,7 @@ def trained(ctx, batches, use_buckets: bool, capture: bool, wire_dtype=None,
         with graph.stream():
             sync = GradBuckets(net, ctx, 0.002, wire_dtype, transport) if use_buckets else None
             model = net if use_buckets else ddp(net, ctx)
-        opt = AveragingSGD(sync, **SGD) if averaging else torch.optim.SGD(net.parameters(), **SGD)
+        opt = AveragingSGD(sync, **SGD) if averaging else graph_sgd(net.parameters(), ctx.device)
 
         def body():
             F.cross_entropy(model(x), y).backward()

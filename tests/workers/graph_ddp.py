@@ -25,7 +25,9 @@ with distributed("cuda") as ctx:
         with StepGraph(dev, enabled=capture) as graph:
             with graph.stream():
                 model = DDP(net.to(dev), device_ids=[dev.index])
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            # Stepped inside the graph: a tensor lr that the fused kernel reads on the GPU.
+            opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1, device=dev),
+                                  momentum=0.9, fused=True)
             x, y = (t.clone() for t in batches[0])
 
             def body(model=model, opt=opt, x=x, y=y):

@@ -45,10 +45,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="SGD as a few multi-tensor kernels (as chapter 2's ladder) or one "
                         "pass over each tensor (as train.py)")
     parser.add_argument("--capture", action="store_true",
-                        help="record each whole step as one CUDA graph (GPU only)")
+                        help="record each whole step as one CUDA graph (GPU only; with "
+                        "--optimizer fused)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.capture and args.optimizer != "fused":
+        parser.error("--capture records the optimizer step too, which must read its lr from "
+                     "a tensor on the GPU: add --optimizer fused (foreach SGD bakes the lr in)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -73,8 +78,9 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
     with graph.stream():  # DDP is built on the stream that will capture it
         model = ddp(compile_for_ddp(net, args.compile, ctx), ctx)
     fused = args.optimizer == "fused"
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9, nesterov=True,
-                          fused=fused or None, foreach=not fused or None)
+    # A tensor lr: the optimizer step may be recorded in the graph (StepGraph refuses a float).
+    opt = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.01, device=dev), momentum=0.9,
+                          nesterov=True, fused=fused or None, foreach=not fused or None)
     x = torch.randn(args.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), device=dev)
 
