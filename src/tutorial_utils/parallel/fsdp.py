@@ -1,40 +1,147 @@
-"""Sharded data parallelism with FSDP2 (``fully_shard``), and a DDP comparison under torchrun.
+"""Sharded data parallelism: the ZeRO stages, and FSDP2 (``fully_shard``) set up for a Wide-ResNet.
 
-DDP keeps a full copy of the parameters, gradients and optimizer state on every GPU. FSDP
-shards all three across the GPUs: each holds 1/N, gathers a block's full parameters just
-before using them (all-gather) and scatters gradients back to their owners (reduce-scatter).
-That trades more communication for memory; it pays when the replicated state, not the
-activations, is what does not fit. :mod:`tutorial_utils.workers.fsdp_step` measures both.
+DDP replicates parameters, gradients and optimizer state on every GPU. ZeRO (Rajbhandari et
+al., 2020) shards them across the N GPUs in three stages, and PyTorch has each one:
+
+- stage 1, the optimizer state: ``ZeroRedundancyOptimizer`` over DDP;
+- stage 2, + the gradients: ``fully_shard(reshard_after_forward=False)`` comes closest; it keeps
+  the gathered parameters from forward to backward, so it all-gathers them once per step;
+- stage 3, + the parameters: ``fully_shard`` (the default), which all-gathers each unit's
+  parameters before its forward and again before its backward.
+
+:func:`zero_bytes_per_param` is the paper's memory model, :func:`shard` applies FSDP2 and
+:func:`local_bytes` measures what one rank holds. Checkpoints of the sharded state are in
+:mod:`tutorial_utils.sharded_checkpoint`.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ..models.wrn import BasicBlock
+from ..models.wrn import BasicBlock, WideResNet
 from .distributed import DistContext
 
+# Bytes per parameter of (parameters, gradients, optimizer state). In mixed precision the
+# weights and gradients are 16-bit and the optimizer keeps an fp32 master copy of the weights
+# besides its own state: for Adam that is the paper's 2 + 2 + 12 = 16.
+STATE_BYTES = {
+    ("sgd", False): (4, 4, 4),  # momentum
+    ("adam", False): (4, 4, 8),  # two moments
+    ("sgd", True): (2, 2, 4 + 4),
+    ("adam", True): (2, 2, 4 + 8),
+}
+ZERO_STAGES = (  # stage, what it shards, how to get it in PyTorch
+    (0, "nothing", "DistributedDataParallel"),
+    (1, "optimizer state", "ZeroRedundancyOptimizer over DDP"),
+    (2, "+ gradients", "fully_shard(reshard_after_forward=False)"),
+    (3, "+ parameters", "fully_shard()"),
+)
 
-def shard(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """FSDP2: each residual block is one unit of all-gather / reduce-scatter, then the rest."""
+
+def zero_bytes_per_param(stage: int, optimizer: str = "adam", world_size: int = 1,
+                         mixed_precision: bool = True) -> float:
+    """Bytes per parameter one GPU holds for weights, gradients and optimizer state."""
+    if stage not in (0, 1, 2, 3) or world_size < 1:
+        raise ValueError(f"need a ZeRO stage 0..3 and world_size >= 1, got {stage}, {world_size}")
+    try:
+        params, grads, state = STATE_BYTES[optimizer.lower(), mixed_precision]
+    except KeyError:
+        raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}") from None
+    n = world_size
+    return params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1) \
+        + state / (n if stage >= 1 else 1)
+
+
+def zero_table(world_size: int) -> list[dict]:
+    """One row per ZeRO stage: what it shards, its PyTorch API, and its bytes per parameter."""
+    return [{"stage": s, "shards": what, "pytorch": api,
+             **{f"{opt} {'mixed' if mp else 'fp32'}": zero_bytes_per_param(s, opt, world_size, mp)
+                for opt in ("sgd", "adam") for mp in (False, True)}}
+            for s, what, api in ZERO_STAGES]
+
+
+Units = Literal["model", "group", "block"]
+
+
+def wrn_units(model: WideResNet, units: Units) -> list[list[nn.Module]]:
+    """The residual blocks of each FSDP unit besides the root, in forward order."""
+    blocks = [m for m in model if isinstance(m, BasicBlock)]
+    n = {"model": 0, "group": (model.depth - 4) // 6, "block": 1}.get(units)
+    if n is None:
+        raise ValueError(f"units must be 'model', 'group' or 'block', got {units!r}")
+    return [blocks[i : i + n] for i in range(0, len(blocks), n)] if n else []
+
+
+def shard(model: WideResNet, ctx: DistContext, *, units: Units = "group",
+          reshard_after_forward: bool = True, prefetch: bool = False,
+          compile_blocks: bool = False) -> nn.Module:
+    """FSDP2 for a WRN: a unit per group of residual blocks (or per block, or none), then the root.
+
+    Units: each costs host time on every step (Python hooks around its forward and backward,
+    a collective each way), and a WRN-28-10 step at 128 images per GPU is short enough for
+    the host to limit it. Three units plus the root (stem and head) run a third of the hooks
+    of one per block (12 + 1); the price is memory, as a unit is gathered whole (the last
+    group holds three quarters of the parameters). ``"model"`` leaves the root alone: the
+    fewest hooks, but the whole model is gathered at once and nothing overlaps that.
+
+    ``reshard_after_forward=False`` (ZeRO-2-like) keeps each unit gathered from its forward
+    to its backward: one all-gather per step instead of two, less host work, and the memory
+    of all the unsharded parameters during the step. ``prefetch`` issues the next unit's
+    all-gather earlier from the CPU (FSDP overlaps it with compute anyway), which helps only
+    when the CPU runs ahead of the GPU. ``compile_blocks`` compiles each block before it is
+    sharded, so FSDP's hooks stay outside the compiled code.
+
+    Precision: none here. The caller runs bf16 autocast over the fp32 parameters, as it does
+    for DDP, so both compute the same thing. ``MixedPrecisionPolicy(param_dtype=bf16)``
+    would gather half the bytes (for WRN-28-10 on two GPUs, 73 MB less per step: a fraction
+    of a millisecond over NVLink), but BatchNorm's weights and running statistics must stay
+    fp32, i.e. 25 more units of their own. The cost of autocast: its bf16 copy of each weight
+    lives from forward to backward, unsharded (2 bytes per parameter).
+    """
+    if not ctx.is_distributed:  # like ddp(): one process keeps the plain model
+        if compile_blocks:
+            compile_blocks_of([model])
+        return model
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-    for block in model.modules():
-        if isinstance(block, BasicBlock):
-            fully_shard(block, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+    groups = wrn_units(model, units)
+    for group in groups:
+        if compile_blocks:
+            compile_blocks_of(group)
+        fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
+                    reshard_after_forward=reshard_after_forward)
+    # The root's forward ends the forward pass and its backward starts the backward pass:
+    # FSDP keeps its parameters gathered in between.
+    fully_shard(model, mesh=mesh)
+    heads = [group[0] for group in groups]  # a list unit's state lives on its first module
+    if prefetch and len(heads) > 1 and hasattr(heads[0], "set_modules_to_forward_prefetch"):
+        for this, after in zip(heads, heads[1:], strict=False):
+            this.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([this])
+    return model
+
+
+def compile_blocks_of(modules) -> None:
+    """``torch.compile`` every residual block in place (the module tree and names unchanged)."""
+    for m in modules:
+        for block in (b for b in m.modules() if isinstance(b, BasicBlock)):
+            block.compile()
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds for parameters, gradients and optimizer state (its shards only)."""
     def size(t: torch.Tensor) -> int:
-        t = t.to_local() if hasattr(t, "to_local") else t
+        t = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
         return t.numel() * t.element_size()
 
     params = list(model.parameters())
-    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    # ZeroRedundancyOptimizer keeps this rank's part of the state in its local ``optim``.
+    state = getattr(optimizer, "optim", optimizer).state
+    tensors = [v for s in state.values() for v in s.values() if torch.is_tensor(v)]
     return {"params": sum(size(p) for p in params),
             "grads": sum(size(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(size(v) for v in state)}
+            "optimizer": sum(size(v) for v in tensors)}

@@ -1,0 +1,91 @@
+"""Checkpoints of sharded training state that a job of any shape can resume from.
+
+``torch.save(model.state_dict())`` on rank 0 of an FSDP job saves rank 0's shards only: each
+value is a DTensor holding its slice. ``torch.distributed.checkpoint`` (DCP) has every rank
+write its own shards and a metadata file that says where each slice of each tensor lives, so
+a job with another number of processes reads exactly the slices it needs ("resharding").
+``get_state_dict`` / ``set_state_dict`` give the model's and the optimizer's state in a form
+that does not depend on the wrapper (FSDP, DDP or none), keyed by parameter names.
+
+A save is atomic: the shards go to a temporary folder that rank 0 renames into place only
+after every rank has finished writing, so a job killed mid-save leaves the previous checkpoint
+usable. Every rank must see the same folder (one machine, or a shared file system).
+
+Buffers that FSDP leaves whole, such as BatchNorm's running statistics, are saved once. Under
+FSDP each rank updates its own copy and nothing synchronises them (DDP copies rank 0's into
+every rank at each forward), so the copies differ by rank; only the parameters and the
+optimizer state are sharded and restored exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .parallel.distributed import DistContext
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def save_sharded(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 ctx: DistContext) -> Path:
+    """Every rank writes its shards to ``root/.step-N.tmp``; rank 0 then renames it ``step-N``.
+
+    The rename is the commit: a job killed before it leaves the temporary folder, which
+    :func:`latest_checkpoint` ignores, and the previous checkpoint intact.
+    """
+    return commit(root, write_uncommitted(root, step, model, optimizer, ctx), ctx)
+
+
+def write_uncommitted(root: Path, step: int, model: nn.Module,
+                      optimizer: torch.optim.Optimizer, ctx: DistContext) -> Path:
+    """The first half of :func:`save_sharded`: the shards, in a folder no loader reads."""
+    tmp = root / f".step-{step:06d}.tmp"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    ctx.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: this rank's shards
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
+             no_dist=not ctx.is_distributed)
+    return tmp
+
+
+def commit(root: Path, tmp: Path, ctx: DistContext) -> Path:
+    """Rename the written folder into place once every rank has finished writing."""
+    final = root / tmp.name[1:].removesuffix(".tmp")
+    ctx.barrier()  # dcp.save returned everywhere: all shards and the metadata are on disk
+    if ctx.is_main:
+        if final.exists():  # the same step saved again by a resumed job
+            shutil.rmtree(final)
+        tmp.rename(final)  # atomic on one file system; readers see no folder or a whole one
+        for old in sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))[:-2]:
+            shutil.rmtree(old)  # keep the last two
+    ctx.barrier()
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest committed ``step-N`` folder under ``root`` (temporary folders ignored)."""
+    found = [p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()]
+    return max(found, key=lambda p: int(p.name[5:]), default=None)
+
+
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Load a checkpoint into ``model`` and ``optimizer``, sharded or not; returns its step.
+
+    DCP reads into the tensors it is given, so the state dicts of this job's model and
+    optimizer say which slices each rank needs, whatever the job that wrote them.
+    """
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "step": -1}
+    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    return state["step"]

@@ -1,0 +1,127 @@
+"""Run under torchrun, on any number of processes: train with sharded checkpoints, and resume.
+
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.workers.dcp_resume \\
+        --steps 6 --save-every 2 --ckpt runs/dcp --out runs/dcp-final.pt
+    torchrun --standalone --nproc_per_node=1 -m tutorial_utils.workers.dcp_resume \\
+        --steps 8 --resume --ckpt runs/dcp --out runs/dcp-final-1.pt
+
+A step trains on ``--slices`` slices of ``--batch`` images each, the same ones whatever the job
+shape: two processes take one slice each (FSDP2, gradients averaged by the reduce-scatter);
+one process takes both in turn and averages their gradients itself, the same arithmetic.
+Every ``--save-every`` steps the sharded model and optimizer are saved with DCP, atomically
+(:func:`~tutorial_utils.sharded_checkpoint.save_sharded`); with ``--resume`` the job starts from
+the newest complete checkpoint, whatever number of processes wrote it. At the end, rank 0
+writes the full weights and momentum to ``--out`` (one ``torch.save`` file), and with
+``--naive-save PATH`` also what a plain ``torch.save(model.state_dict())`` on rank 0 holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from ..models import wide_resnet
+from ..parallel.distributed import DistContext, all_reduce_sum, distributed
+from ..parallel.fsdp import shard
+from ..sharded_checkpoint import commit, latest_checkpoint, load_sharded, write_uncommitted
+
+KILL_ENV = "TUTORIAL_KILL_IN_SAVE"  # fault injection for the tests and the book, not a setting
+
+
+def batch(step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slice ``index`` of step ``step``: the same images in every job shape."""
+    g = torch.Generator().manual_seed(1000 * step + index)
+    return torch.randn(size, 3, 32, 32, generator=g), torch.randint(0, 10, (size,), generator=g)
+
+
+def train_step(step: int, model, opt, ctx: DistContext, args: argparse.Namespace) -> float:
+    """One step over all slices of ``step``; returns their mean loss."""
+    mine = range(ctx.rank, args.slices, ctx.world_size)  # this process's slices
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for i in mine:
+        x, y = (t.to(ctx.device) for t in batch(step, i, args.batch))
+        # Halving a loss halves its gradients exactly (a power of two), so accumulating two
+        # halves here adds the same numbers as the reduce-scatter does on two processes.
+        loss = F.cross_entropy(model(x), y) / len(mine)
+        loss.backward()
+        total += loss.item()
+    opt.step()
+    return all_reduce_sum(ctx, total)[0] / ctx.world_size
+
+
+def save(step: int, model, opt, ctx: DistContext, args: argparse.Namespace) -> None:
+    tmp = write_uncommitted(args.ckpt, step, model, opt, ctx)
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if os.environ.get(KILL_ENV) == str(step) and first_attempt and ctx.rank == ctx.world_size - 1:
+        print(f"rank {ctx.rank}: killed while saving step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)  # the shards are written; the commit never comes
+    commit(args.ckpt, tmp, ctx)
+
+
+def export(model, opt, ctx: DistContext, args: argparse.Namespace) -> None:
+    """Rank 0 writes the whole model and optimizer state, gathered from every rank."""
+    # Collective: every rank takes part; with cpu_offload only rank 0 keeps the result.
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd, optim_sd = get_state_dict(model, opt, options=full)
+    if ctx.is_main:
+        torch.save({"model": model_sd, "optim": optim_sd}, args.out)
+        if args.naive_save:  # the mistake: each value is a DTensor holding rank 0's shard
+            torch.save(model.state_dict(), args.naive_save)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="wrn-10-1")
+    parser.add_argument("--batch", type=int, default=4, help="images per slice")
+    parser.add_argument("--slices", type=int, default=2, help="slices per step (the data width)")
+    parser.add_argument("--steps", type=int, default=6, help="train until this step")
+    parser.add_argument("--save-every", type=int, default=2, help="0: never")
+    parser.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
+    parser.add_argument("--ckpt", type=Path, required=True, help="folder of step-N checkpoints")
+    parser.add_argument("--out", type=Path, required=True, help="final full state (rank 0)")
+    parser.add_argument("--naive-save", type=Path, help="also torch.save(model.state_dict())")
+    parser.add_argument("--metrics", type=Path, help="rank 0 appends JSON lines here")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    with distributed(args.device) as ctx:
+        if args.slices % ctx.world_size:
+            raise SystemExit(f"--slices {args.slices} must be a multiple of the "
+                             f"{ctx.world_size} processes")
+        if ctx.device.type == "cpu":
+            # torchrun gives each of several processes one thread, a lone process all cores;
+            # one thread everywhere makes the CPU kernels add up in the same order.
+            torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = shard(wide_resnet(args.model).to(ctx.device), ctx)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        found = latest_checkpoint(args.ckpt) if args.resume else None
+        start = load_sharded(found, model, opt) if found else 0
+        losses = []
+        for step in range(start + 1, args.steps + 1):
+            losses.append(train_step(step, model, opt, ctx, args))
+            if args.save_every and step % args.save_every == 0:
+                save(step, model, opt, ctx, args)
+        export(model, opt, ctx, args)
+        if ctx.is_main:
+            record = {"world_size": ctx.world_size, "resumed_from": found and found.name,
+                      "start_step": start, "steps": args.steps, "losses": losses}
+            print(json.dumps(record), flush=True)
+            if args.metrics:
+                with open(args.metrics, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()

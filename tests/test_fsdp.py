@@ -1,0 +1,216 @@
+"""FSDP2 and the ZeRO stages against DDP, and sharded checkpoints that outlive the job shape.
+
+The multi-process tests run two CPU processes over gloo on small Wide-ResNets; the GPU
+variants skip without two GPUs.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tutorial_utils.launch import torchrun
+from tutorial_utils.models import wide_resnet
+from tutorial_utils.parallel.distributed import DistContext
+from tutorial_utils.parallel.fsdp import wrn_units, zero_bytes_per_param, zero_table
+from tutorial_utils.sharded_checkpoint import commit, latest_checkpoint
+from tutorial_utils.workers import fsdp_step
+from tutorial_utils.workers.dcp_resume import KILL_ENV
+
+SHARDED = ("zero2", "zero3", "zero3-blocks")
+
+
+def test_zero_bytes_per_param_match_the_paper():
+    # Rajbhandari et al. (2020), mixed-precision Adam: 2 + 2 + 12 bytes per parameter.
+    for n in (1, 2, 8, 64):
+        assert zero_bytes_per_param(0, "adam", n) == 16
+        assert zero_bytes_per_param(1, "adam", n) == pytest.approx(4 + 12 / n)
+        assert zero_bytes_per_param(2, "adam", n) == pytest.approx(2 + 14 / n)
+        assert zero_bytes_per_param(3, "adam", n) == pytest.approx(16 / n)
+    # The paper's Figure 1: 7.5 B parameters on 64 GPUs, in GB per GPU.
+    per_gpu = [zero_bytes_per_param(s, "adam", 64) * 7.5 for s in range(4)]
+    assert per_gpu == pytest.approx([120, 31.4, 16.6, 1.88], rel=0.01)
+
+
+def test_zero_bytes_in_fp32_and_for_sgd():
+    assert zero_bytes_per_param(0, "sgd", 2, mixed_precision=False) == 12  # w, grad, momentum
+    assert zero_bytes_per_param(3, "sgd", 2, mixed_precision=False) == 6
+    assert zero_bytes_per_param(1, "adam", 4, mixed_precision=False) == 4 + 4 + 8 / 4
+    assert zero_bytes_per_param(2, "sgd", 2, mixed_precision=True) == 2 + (2 + 8) / 2
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        zero_bytes_per_param(4)
+    with pytest.raises(ValueError, match="'sgd' or 'adam'"):
+        zero_bytes_per_param(1, "lamb")
+    rows = zero_table(world_size=2)
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    assert rows[3]["pytorch"] == "fully_shard()" and rows[0]["adam mixed"] == 16
+
+
+@pytest.fixture(scope="module")
+def modes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp") / "fsdp.jsonl"
+    # wrn-16-1: two blocks per group, so a unit per group (3) differs from one per block (6).
+    result = torchrun("tutorial_utils.workers.fsdp_step",
+                      ["--model", "wrn-16-1", "--batch", "8", "--device", "cpu", "--out", str(out)],
+                      nproc=2, timeout_s=180, metrics_file=out, echo=False)
+    return {r["mode"]: r for r in result.metrics}
+
+
+def state(record: dict) -> int:
+    return record["params"] + record["grads"] + record["optimizer"]
+
+
+def test_every_mode_trains_like_ddp(modes):
+    assert list(modes) == list(fsdp_step.MODES)
+    for mode in ("zero1", *SHARDED):
+        # The same fp32 arithmetic; only how the two ranks' gradients are summed differs.
+        assert modes[mode]["losses"] == pytest.approx(modes["ddp"]["losses"], rel=1e-5), mode
+
+
+def test_sharded_modes_hold_half_the_state_per_rank(modes):
+    ddp = modes["ddp"]
+    for mode in SHARDED:
+        assert state(modes[mode]) == pytest.approx(state(ddp) / 2, rel=0.02), mode
+        for part in ("params", "grads", "optimizer"):
+            assert modes[mode][part] == pytest.approx(ddp[part] / 2, rel=0.02), (mode, part)
+    zero1 = modes["zero1"]  # the optimizer state only (split by whole tensors)
+    assert (zero1["params"], zero1["grads"]) == (ddp["params"], ddp["grads"])
+    assert zero1["optimizer"] == pytest.approx(ddp["optimizer"] / 2, rel=0.05)
+
+
+def test_gpu_only_options_skip_clearly_on_cpu(tmp_path, capsys):
+    out = tmp_path / "skip.jsonl"
+    fsdp_step.main(["--compile", "--device", "cpu", "--modes", "ddp", "zero3", "--out", str(out)])
+    assert "skipped: --compile and --fit-gib need CUDA GPUs" in capsys.readouterr().out
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["skipped"] for r in records] == ["needs CUDA GPUs"] * 2
+    with pytest.raises(SystemExit):  # a failed attempt could leave memory to the next mode
+        fsdp_step.parse_args(["--fit-gib", "3", "--modes", "ddp", "zero3", "--out", "x"])
+    assert "one mode per job" in capsys.readouterr().err
+
+
+def test_fsdp_units_of_a_wrn():
+    net = wide_resnet("wrn-28-10")
+    assert [len(u) for u in wrn_units(net, "group")] == [4, 4, 4]
+    assert [len(u) for u in wrn_units(net, "block")] == [1] * 12
+    assert wrn_units(net, "model") == []
+    with pytest.raises(ValueError, match="units must be"):
+        wrn_units(net, "layer")
+
+
+# --- sharded checkpoints (torch.distributed.checkpoint) ---
+
+DCP = "tutorial_utils.workers.dcp_resume"
+DCP_ARGS = ["--model", "wrn-10-1", "--steps", "6", "--save-every", "2", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def dcp_runs(tmp_path_factory):
+    """Three jobs of six steps: straight on 2 processes; on 2 processes with rank 1 killed
+    while saving step 4 and restarted by torchrun; resumed on 1 process from step 4."""
+    root = tmp_path_factory.mktemp("dcp")
+    runs = {}
+    for name, nproc, extra, env, launcher in (
+        ("straight", 2, ["--naive-save", str(root / "naive.pt")], {}, ("--standalone",)),
+        ("killed", 2, ["--resume"], {KILL_ENV: "4", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+         ("--standalone", "--max-restarts=1")),
+        ("one", 1, ["--resume"], {}, ("--standalone",)),
+    ):
+        if name == "one":  # the straight job's checkpoint of step 4, alone in its folder
+            shutil.copytree(root / "straight" / "step-000004", root / name / "step-000004")
+        metrics = root / f"{name}.jsonl"
+        result = torchrun(DCP, [*DCP_ARGS, *extra, "--ckpt", str(root / name),
+                                "--out", str(root / f"{name}.pt"), "--metrics", str(metrics)],
+                          nproc=nproc, timeout_s=180, torchrun_args=launcher, env=env,
+                          metrics_file=metrics, echo=False)
+        runs[name] = (result, torch.load(root / f"{name}.pt", weights_only=True))
+    runs["root"] = root
+    return runs
+
+
+def assert_same_training_state(a: dict, b: dict) -> None:
+    """Parameters and momentum bitwise equal (BatchNorm's running statistics are per rank)."""
+    params = [k for k in a["model"] if "running_" not in k and "num_batches" not in k]
+    assert params and all(torch.equal(a["model"][k], b["model"][k]) for k in params)
+    assert a["optim"]["state"].keys() == b["optim"]["state"].keys()
+    for k, s in a["optim"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], b["optim"]["state"][k]["momentum_buffer"]), k
+
+
+def test_saved_on_two_processes_resumed_on_one_gives_the_same_weights(dcp_runs):
+    result, one = dcp_runs["one"]
+    assert result.metrics[0]["resumed_from"] == "step-000004"
+    assert result.metrics[0]["world_size"] == 1
+    # Equal, not close: each slice of 4 images goes through the same kernels with the same
+    # shapes on one CPU thread, and halving each loss (one process) is exact, so the two
+    # half-gradients add up to the same bits as FSDP's average of two ranks.
+    assert_same_training_state(dcp_runs["straight"][1], one)
+
+
+def test_a_save_killed_before_its_commit_leaves_the_previous_checkpoint(dcp_runs):
+    result, killed = dcp_runs["killed"]
+    assert "rank 1: killed while saving step 4" in result.output
+    (record,) = result.metrics  # only the restarted attempt finished
+    assert record["resumed_from"] == "step-000002"  # the uncommitted step 4 was ignored
+    assert_same_training_state(dcp_runs["straight"][1], killed)
+    assert sorted(p.name for p in (dcp_runs["root"] / "killed").iterdir()) == [
+        "step-000004", "step-000006"]  # the restart saved step 4 again; the last two kept
+
+
+def test_rank0_torch_save_of_an_fsdp_model_holds_only_its_shards(dcp_runs):
+    from torch.distributed.tensor import DTensor
+
+    # weights_only=False: DTensor is not on the safe list, and this file is ours.
+    naive = torch.load(dcp_runs["root"] / "naive.pt", weights_only=False)
+    full = dcp_runs["straight"][1]["model"]
+    params = [k for k in full if "running_" not in k and "num_batches" not in k]
+    assert all(isinstance(naive[k], DTensor) for k in params)
+    held = sum(naive[k].to_local().numel() for k in params)
+    assert held == pytest.approx(sum(full[k].numel() for k in params) / 2, rel=0.02)
+
+
+def test_loading_ignores_uncommitted_folders(tmp_path):
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    assert latest_checkpoint(tmp_path) is None
+    (tmp_path / "step-000002").mkdir()
+    (tmp_path / ".step-000004.tmp").mkdir()  # a save killed half-way
+    (tmp_path / ".step-000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+    assert commit(tmp_path, tmp_path / ".step-000004.tmp", ctx).name == "step-000004"
+    assert latest_checkpoint(tmp_path).name == "step-000004"
+    assert not (tmp_path / ".step-000004.tmp").exists()
+
+
+# --- on two GPUs ---
+
+
+@pytest.mark.multigpu
+def test_fsdp_modes_on_gpus(tmp_path):
+    out = tmp_path / "fsdp.jsonl"
+    result = torchrun("tutorial_utils.workers.fsdp_step",
+                      ["--model", "wrn-16-4", "--batch", "64", "--device", "cuda", "--repeats", "5",
+                       "--compile", "--prefetch", "--out", str(out)],
+                      nproc=2, timeout_s=600, metrics_file=out, echo=False)
+    modes = {r["mode"]: r for r in result.metrics}
+    for mode in SHARDED:
+        assert state(modes[mode]) == pytest.approx(state(modes["ddp"]) / 2, rel=0.02)
+        # bf16 autocast in both, so only close
+        assert modes[mode]["losses"] == pytest.approx(modes["ddp"]["losses"], rel=1e-2)
+        assert modes[mode]["step_ms"] > 0 and modes[mode]["peak_gib"] > 0
+
+
+@pytest.mark.multigpu
+def test_sharding_lets_a_model_train_that_ddp_cannot_under_a_memory_cap(tmp_path):
+    # WRN-40-20 (223 M parameters) at 8 images per GPU, 3 GiB per process. On one H200 a
+    # DDP step of it peaked at 4.1 GiB, and FSDP with a unit per block at 2.9 GiB before
+    # sharding halves its 12 bytes per parameter of state.
+    fits = {}
+    for mode in ("ddp", "zero3-blocks"):
+        out = tmp_path / f"{mode}.jsonl"
+        (record,) = torchrun("tutorial_utils.workers.fsdp_step",
+                             ["--model", "wrn-40-20", "--batch", "8", "--fit-gib", "3",
+                              "--modes", mode, "--device", "cuda", "--out", str(out)],
+                             nproc=2, timeout_s=600, metrics_file=out, echo=False).metrics
+        fits[mode] = record["fits"]
+    assert fits == {"ddp": False, "zero3-blocks": True}
