@@ -180,6 +180,7 @@ def plot(runs: list[Run], title: str):
     kinds = sorted({(r.method, r.mode) for r in multi}, reverse=True)
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / len(kinds)
+    predicted_label = "predicted (no overlap)"  # on the first tick drawn, whichever run it is
     for k, (method, mode) in enumerate(kinds):
         for g, (regime, gpus) in enumerate(groups):
             r = next((r for r in multi if (r.regime, r.gpus, r.method, r.mode)
@@ -190,10 +191,11 @@ def plot(runs: list[Run], title: str):
             ax.bar(x, r.speedup, width, color=f"C{k}",
                    label=f"{method}, {mode}" if g == 0 else None)
             if r.predicted:
-                ax.plot(x, r.predicted, "k_", ms=12, mew=2,
-                        label="predicted (no overlap)" if (g, k) == (0, 0) else None)
+                ax.plot(x, r.predicted, "k_", ms=12, mew=2, label=predicted_label)
+                predicted_label = None
     for g, (_, gpus) in enumerate(groups):
-        ax.hlines(gpus, g - 0.45, g + 0.45, colors="grey", linestyles=":")  # perfect scaling
+        ax.hlines(gpus, g - 0.45, g + 0.45, colors="grey", linestyles=":",
+                  label="perfect scaling" if g == 0 else None)
     ax.set_xticks(range(len(groups)), [f"{regime}\n{gpus} GPUs" for regime, gpus in groups])
     ax.set_ylabel("speed-up over the best 1-GPU run")
     ax.set_title(title, fontsize=9)
