@@ -159,6 +159,34 @@ def summary(runs: list[Run], global_batch: int) -> dict[str, float | str | int]:
     return out
 
 
+def strong_ceiling(runs: list[Run], global_batch: int, n: int) -> float:
+    """Exercise (chapter 5b): the strong-scaling speed-up of ``n`` GPUs if communication were free.
+
+    Each GPU would take the best single-GPU step at ``global_batch // n`` images, and one GPU
+    takes its best step at ``global_batch``: the ratio of the two is the ceiling.
+    """
+    whole = best_run(runs, "single", "1 GPU", batch=global_batch)
+    part = best_run(runs, "single", "1 GPU", batch=global_batch // n)
+    if whole is None or part is None:
+        raise ValueError(f"needs single-GPU runs at {global_batch} and {global_batch // n} images")
+    return whole.step_ms / part.step_ms
+
+
+def weak_prediction(single_ms: float, compute_ms: float, grad_bytes: float, n: int,
+                    bus_gbps: float, hidden: float = 0.0) -> float:
+    """Exercise (chapter 5b): chapter 4's model of weak scaling, for any GPU count.
+
+    Each of ``n`` GPUs runs its own full step (``compute_ms``, DDP inside ``no_sync``) plus the
+    part of a ring all-reduce of ``grad_bytes`` that backward does not hide (``hidden`` is the
+    fraction hidden: 0 no overlap, 1 all); it processes ``n`` times the images of the best
+    single GPU's ``single_ms`` step.
+    """
+    if not 0 <= hidden <= 1:
+        raise ValueError(f"hidden is a fraction in [0, 1], got {hidden}")
+    ring_ms = ring_all_reduce_seconds(grad_bytes, n, bus_gbps) * 1e3
+    return n * single_ms / (compute_ms + (1 - hidden) * ring_ms)
+
+
 def table(runs: list[Run]) -> str:
     head = (f"{'regime':<8}{'method':<14}{'mode':<13}{'GPUs':>5}{'batch/GPU':>10}{'step ms':>9}"
             f"{'img/s':>8}{'epoch s':>9}{'speed-up':>10}{'predicted':>11}")
