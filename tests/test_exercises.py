@@ -59,16 +59,16 @@ def test_ch5b_strong_scaling_ceiling_with_free_communication():
 
 
 def test_ch5b_weak_scaling_predicted_for_gpu_counts_not_measured():
-    from tutorial_utils.bench_scaling import weak_prediction
+    from tutorial_utils.parallel.ddp import weak_scaling_prediction
 
     grad_bytes, busbw = 146e6, 365.0  # WRN-28-10's fp32 gradients; GB/s
     # 2 GPUs: the ring moves 2(N-1)/N = 1 x the bytes, 0.4 ms; 8 GPUs: 1.75 x, 0.7 ms.
-    assert weak_prediction(10, 10, grad_bytes, 2, busbw) == pytest.approx(20 / 10.4)
-    assert weak_prediction(10, 10, grad_bytes, 8, busbw) == pytest.approx(80 / 10.7)
-    assert weak_prediction(10, 10, grad_bytes, 8, busbw, hidden=1.0) == pytest.approx(8)
-    assert weak_prediction(10, 11, grad_bytes, 4, busbw, hidden=1.0) < 4  # DDP's own cost
+    assert weak_scaling_prediction(10, 10, grad_bytes, 2, busbw) == pytest.approx(20 / 10.4)
+    assert weak_scaling_prediction(10, 10, grad_bytes, 8, busbw) == pytest.approx(80 / 10.7)
+    assert weak_scaling_prediction(10, 10, grad_bytes, 8, busbw, hidden=1.0) == pytest.approx(8)
+    assert weak_scaling_prediction(10, 11, grad_bytes, 4, busbw, hidden=1.0) < 4  # DDP's own cost
     with pytest.raises(ValueError, match="fraction"):
-        weak_prediction(10, 10, grad_bytes, 2, busbw, hidden=1.5)
+        weak_scaling_prediction(10, 10, grad_bytes, 2, busbw, hidden=1.5)
 
 
 def test_ch5b_exposed_communication_from_a_trace():

@@ -172,21 +172,6 @@ def strong_ceiling(runs: list[Run], global_batch: int, n: int) -> float:
     return whole.step_ms / part.step_ms
 
 
-def weak_prediction(single_ms: float, compute_ms: float, grad_bytes: float, n: int,
-                    bus_gbps: float, hidden: float = 0.0) -> float:
-    """Exercise (chapter 5b): chapter 4's model of weak scaling, for any GPU count.
-
-    Each of ``n`` GPUs runs its own full step (``compute_ms``, DDP inside ``no_sync``) plus the
-    part of a ring all-reduce of ``grad_bytes`` that backward does not hide (``hidden`` is the
-    fraction hidden: 0 no overlap, 1 all); it processes ``n`` times the images of the best
-    single GPU's ``single_ms`` step.
-    """
-    if not 0 <= hidden <= 1:
-        raise ValueError(f"hidden is a fraction in [0, 1], got {hidden}")
-    ring_ms = ring_all_reduce_seconds(grad_bytes, n, bus_gbps) * 1e3
-    return n * single_ms / (compute_ms + (1 - hidden) * ring_ms)
-
-
 def table(runs: list[Run]) -> str:
     head = (f"{'regime':<8}{'method':<14}{'mode':<13}{'GPUs':>5}{'batch/GPU':>10}{'step ms':>9}"
             f"{'img/s':>8}{'epoch s':>9}{'speed-up':>10}{'predicted':>11}")
