@@ -33,3 +33,55 @@ def test_ch5e_peak_learning_rates_and_steps_at_a_large_batch(tmp_path):
     assert with_batch(cfg, 2048).peak_lr(1) == pytest.approx(1.6)
     assert with_batch(cfg, 2048, "sqrt").peak_lr(1) == pytest.approx(0.4)
     assert steps_per_run(50_000, 128, 10) == 3900 and steps_per_run(50_000, 1024, 10) == 480
+
+
+def test_ch5_epoch_time_from_a_step_and_a_speedup_that_counts_compilation():
+    from tutorial_utils.experiment import epoch_seconds, wall_clock_speedup
+
+    assert epoch_seconds(10.0, 128) == pytest.approx(3.9)  # 390 full batches of 10 ms
+    assert epoch_seconds(10.0, 256) == pytest.approx(1.95)  # 195 batches
+    assert wall_clock_speedup(70.0, 25.0, 30.0) == pytest.approx(70 / 55)
+    assert wall_clock_speedup(70.0, 25.0, 0.0) == pytest.approx(2.8)
+
+
+def test_ch5b_strong_scaling_ceiling_with_free_communication():
+    from tutorial_utils.bench_scaling import Run, strong_ceiling
+
+    runs = [Run("single", "1 GPU", "eager", 1, 128, 16.0),
+            Run("single", "1 GPU", "step graph", 1, 128, 11.0),
+            Run("single", "1 GPU", "eager", 1, 64, 12.0),
+            Run("single", "1 GPU", "step graph", 1, 64, 6.5),
+            Run("strong", "DDP", "step graph", 2, 64, 7.5)]
+    # The best step at 128 over the best at 64: each GPU's half is not half the time.
+    assert strong_ceiling(runs, 128, 2) == pytest.approx(11.0 / 6.5)
+    with pytest.raises(ValueError, match="32 images"):
+        strong_ceiling(runs, 128, 4)
+
+
+def test_ch5b_weak_scaling_predicted_for_gpu_counts_not_measured():
+    from tutorial_utils.parallel.ddp import weak_scaling_prediction
+
+    grad_bytes, busbw = 146e6, 365.0  # WRN-28-10's fp32 gradients; GB/s
+    # 2 GPUs: the ring moves 2(N-1)/N = 1 x the bytes, 0.4 ms; 8 GPUs: 1.75 x, 0.7 ms.
+    assert weak_scaling_prediction(10, 10, grad_bytes, 2, busbw) == pytest.approx(20 / 10.4)
+    assert weak_scaling_prediction(10, 10, grad_bytes, 8, busbw) == pytest.approx(80 / 10.7)
+    assert weak_scaling_prediction(10, 10, grad_bytes, 8, busbw, hidden=1.0) == pytest.approx(8)
+    assert weak_scaling_prediction(10, 11, grad_bytes, 4, busbw, hidden=1.0) < 4  # DDP's own cost
+    with pytest.raises(ValueError, match="fraction"):
+        weak_scaling_prediction(10, 10, grad_bytes, 2, busbw, hidden=1.5)
+
+
+def test_ch5b_exposed_communication_from_a_trace():
+    from tutorial_utils.timeline import NCCL, overlap
+
+    def x(cat, name, ts, dur, tid):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": tid}
+
+    # One step: backward's kernels for 3 ms, an all-reduce from 2 ms to 4 ms.
+    events = [{"ph": "X", "cat": "user_annotation", "name": "step 0", "ts": 0, "dur": 10,
+               "pid": 1, "tid": 1},
+              x("kernel", "convolution_backward", 0, 3000, 7),
+              x("kernel", "ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 2000, 2000, 20)]
+    got = overlap(events)
+    assert got["comm"] == NCCL
+    assert (got["comm_ms"], got["overlap_ms"], got["exposed_ms"]) == pytest.approx((2, 1, 1))

@@ -159,6 +159,19 @@ def summary(runs: list[Run], global_batch: int) -> dict[str, float | str | int]:
     return out
 
 
+def strong_ceiling(runs: list[Run], global_batch: int, n: int) -> float:
+    """Exercise (chapter 5b): the strong-scaling speed-up of ``n`` GPUs if communication were free.
+
+    Each GPU would take the best single-GPU step at ``global_batch // n`` images, and one GPU
+    takes its best step at ``global_batch``: the ratio of the two is the ceiling.
+    """
+    whole = best_run(runs, "single", "1 GPU", batch=global_batch)
+    part = best_run(runs, "single", "1 GPU", batch=global_batch // n)
+    if whole is None or part is None:
+        raise ValueError(f"needs single-GPU runs at {global_batch} and {global_batch // n} images")
+    return whole.step_ms / part.step_ms
+
+
 def table(runs: list[Run]) -> str:
     head = (f"{'regime':<8}{'method':<14}{'mode':<13}{'GPUs':>5}{'batch/GPU':>10}{'step ms':>9}"
             f"{'img/s':>8}{'epoch s':>9}{'speed-up':>10}{'predicted':>11}")
@@ -180,6 +193,7 @@ def plot(runs: list[Run], title: str):
     kinds = sorted({(r.method, r.mode) for r in multi}, reverse=True)
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / len(kinds)
+    predicted_label = "predicted (no overlap)"  # on the first tick drawn, whichever run it is
     for k, (method, mode) in enumerate(kinds):
         for g, (regime, gpus) in enumerate(groups):
             r = next((r for r in multi if (r.regime, r.gpus, r.method, r.mode)
@@ -190,10 +204,11 @@ def plot(runs: list[Run], title: str):
             ax.bar(x, r.speedup, width, color=f"C{k}",
                    label=f"{method}, {mode}" if g == 0 else None)
             if r.predicted:
-                ax.plot(x, r.predicted, "k_", ms=12, mew=2,
-                        label="predicted (no overlap)" if (g, k) == (0, 0) else None)
+                ax.plot(x, r.predicted, "k_", ms=12, mew=2, label=predicted_label)
+                predicted_label = None
     for g, (_, gpus) in enumerate(groups):
-        ax.hlines(gpus, g - 0.45, g + 0.45, colors="grey", linestyles=":")  # perfect scaling
+        ax.hlines(gpus, g - 0.45, g + 0.45, colors="grey", linestyles=":",
+                  label="perfect scaling" if g == 0 else None)
     ax.set_xticks(range(len(groups)), [f"{regime}\n{gpus} GPUs" for regime, gpus in groups])
     ax.set_ylabel("speed-up over the best 1-GPU run")
     ax.set_title(title, fontsize=9)

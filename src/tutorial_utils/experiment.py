@@ -189,3 +189,13 @@ def plot_curves(runs: list[TrainingRun], title: str, targets: tuple[float, ...] 
 def steps_per_run(images: int, batch: int, epochs: int) -> int:
     """Optimizer steps of a run that drops the last, incomplete batch of every epoch."""
     return images // batch * epochs
+
+
+def epoch_seconds(step_ms: float, global_batch: int, images: int = 50_000) -> float:
+    """Exercise (chapter 5): an epoch's training time predicted from one step's time."""
+    return steps_per_run(images, global_batch, 1) * step_ms / 1e3
+
+
+def wall_clock_speedup(reference_s: float, train_s: float, setup_s: float) -> float:
+    """Exercise (chapter 5): a speed-up whose clock also counts the faster run's set-up."""
+    return reference_s / (train_s + setup_s)

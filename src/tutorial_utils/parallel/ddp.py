@@ -137,6 +137,21 @@ def ring_all_reduce_seconds(nbytes: float, world_size: int, bus_gbps: float) -> 
     return 2 * (world_size - 1) / world_size * nbytes / (bus_gbps * 1e9)
 
 
+def weak_scaling_prediction(single_ms: float, compute_ms: float, grad_bytes: float, n: int,
+                            bus_gbps: float, hidden: float = 0.0) -> float:
+    """Exercise (chapter 5b): the ring model's speed-up for weak scaling on ``n`` GPUs.
+
+    Each of ``n`` GPUs runs its own full step (``compute_ms``, DDP inside ``no_sync``) plus the
+    part of a ring all-reduce of ``grad_bytes`` that backward does not hide (``hidden`` is the
+    fraction hidden: 0 no overlap, 1 all); it processes ``n`` times the images of the best
+    single GPU's ``single_ms`` step.
+    """
+    if not 0 <= hidden <= 1:
+        raise ValueError(f"hidden is a fraction in [0, 1], got {hidden}")
+    ring_ms = ring_all_reduce_seconds(grad_bytes, n, bus_gbps) * 1e3
+    return n * single_ms / (compute_ms + (1 - hidden) * ring_ms)
+
+
 def measure_bus_bandwidth(ctx: DistContext, nbytes: int, repeats: int = 10) -> float:
     """All-reduce bus bandwidth in GB/s for a float32 buffer of ``nbytes``, median of repeats."""
     from ..timing import benchmark

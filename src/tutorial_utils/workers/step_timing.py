@@ -122,14 +122,15 @@ def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5
     only a rank given a ``trace`` path writes the Chrome trace.
     """
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     with profile(activities=activities) as prof:
-        for _ in range(steps):
-            step()
+        for i in range(steps):
+            with record_function(f"step {i}"):  # marks where each step starts on the host
+                step()
         synchronize(device)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
