@@ -34,9 +34,12 @@ def test_scaling_benchmark_measures_both_regimes_against_single_runs():
     assert len(fig.axes[0].patches) == sum(r.gpus > 1 for r in runs)  # a bar per multi-GPU run
 
 
-def test_global_batch_must_split_evenly():
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_global_batch_must_split_evenly(device, monkeypatch):
+    # on a one-GPU machine the bad batch, not the GPU count, must be what is reported
+    monkeypatch.setattr(bench, "require_gpus", lambda n: pytest.fail("GPUs checked first"))
     with pytest.raises(ValueError, match="not divisible by 3 GPUs"):
-        run("wrn-10-1", gpus=(2, 3), global_batch=128)
+        run("wrn-10-1", gpus=(2, 3), global_batch=128, device=device)
 
 
 def test_bad_gpu_counts_are_one_line_errors(capsys, monkeypatch):

@@ -91,13 +91,13 @@ def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int 
     silent run on the CPU.
     """
     device = device or ("cuda" if gpu_count() else "cpu")
-    for n in gpus:
+    for n in gpus:  # every setting checked before any GPU count: the same error everywhere
         if n < 2:
             raise ValueError(f"scaling needs 2 or more GPUs per run, got {n}")
         if global_batch % n:
             raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
-        if device == "cuda":
-            require_gpus(n)
+    if device == "cuda":
+        require_gpus(max(gpus))
     # The single-GPU references, plus the per-GPU batch of strong scaling on two GPUs.
     batches = sorted({global_batch, per_gpu_batch, global_batch // 2})
     runs = [single(model, b, m, repeats, device) for b in batches for m in modes]
