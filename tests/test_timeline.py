@@ -74,10 +74,8 @@ def test_the_plot_has_a_row_per_stream_and_a_legend_entry_per_drawn_kind(tmp_pat
 
 
 def test_a_trace_from_the_worker_on_two_cpu_processes(tmp_path):
-    from tutorial_utils.workload import LadderSize, time_ddp
-
     trace = tmp_path / "trace.json"
-    record = time_ddp(LadderSize("wrn-10-1", 2, 1, 1), 2, "cpu", trace=trace)
+    record = timeline.record("wrn-10-1", 2, 2, "cpu", False, trace, repeats=1)
     assert record["world_size"] == 2
     events = timeline.load(trace)
     rows = timeline.rows(events)

@@ -21,6 +21,21 @@ COLOURS = {HOST_OPS: "0.6", LAUNCHES: "C1", GLOO: "C3", COMPUTE: "C0", NCCL: "C3
 STEP = re.compile(r"^step \d+$")  # the worker's record_function around each profiled step
 
 
+def record(model: str, batch: int, n: int, device: str, graphed: bool, trace: Path,
+           repeats: int = 10) -> dict:
+    """Time and profile one DDP configuration with :mod:`~tutorial_utils.workers.step_timing`
+    in ``n`` processes (a step graph when ``graphed``); rank 0's Chrome trace goes to ``trace``."""
+    from .launch import torchrun
+
+    out = trace.with_suffix(".jsonl")
+    out.unlink(missing_ok=True)
+    args = ["--model", model, "--batch", str(batch), "--repeats", str(repeats), "--device",
+            device, "--trace", str(trace), "--out", str(out)]
+    args += ["--compile", "default", "--capture", "--optimizer", "fused"] if graphed else []
+    return torchrun("tutorial_utils.workers.step_timing", args, nproc=n, timeout_s=900,
+                    metrics_file=out, echo=False).metrics[0]
+
+
 def load(path: Path | str) -> list[dict]:
     """The events of a Chrome trace file (``.json`` or ``.json.gz``)."""
     path = Path(path)
