@@ -85,3 +85,37 @@ def test_ch5b_exposed_communication_from_a_trace():
     got = overlap(events)
     assert got["comm"] == NCCL
     assert (got["comm_ms"], got["overlap_ms"], got["exposed_ms"]) == pytest.approx((2, 1, 1))
+
+
+def test_ch3_bubble_and_pipeline_prediction():
+    from tutorial_utils.parallel.model_parallel import (
+        bubble_fraction,
+        micro_batches_for_bubble,
+        pipeline_ms,
+    )
+
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+    assert micro_batches_for_bubble(4, 0.10) == 27  # 3 / (27 + 3) = 0.1
+    assert bubble_fraction(4, 26) > 0.10
+    assert pipeline_ms([3, 5], 8) == pytest.approx(3 + 5 + 7 * 5)
+
+
+def test_ch4_ring_time_and_the_ddp_band():
+    from tutorial_utils.parallel.ddp import ring_all_reduce_seconds, weak_scaling_prediction
+
+    seconds = ring_all_reduce_seconds(146e6, 8, 200)
+    assert seconds == pytest.approx(2 * 7 / 8 * 146e6 / 200e9)  # about 1.28 ms
+    none = weak_scaling_prediction(11, 12, 146e6, 8, 200)
+    half = weak_scaling_prediction(11, 12, 146e6, 8, 200, hidden=0.5)
+    assert none == pytest.approx(8 * 11 / (12 + seconds * 1e3))
+    assert none < half < 8 * 11 / 12
+
+
+def test_ch6_zero_bytes_for_a_large_model_and_the_resume_point():
+    from tutorial_utils.parallel.fsdp import zero_bytes_per_param
+    from tutorial_utils.trainer import resume_point
+
+    per_gpu = [zero_bytes_per_param(s, "adam", 8) * 7e9 / 1e9 for s in range(4)]
+    assert per_gpu == pytest.approx([112, 7 * (4 + 12 / 8), 7 * (2 + 14 / 8), 7 * 16 / 8])
+    # 50,000 / 128 = 390 steps per epoch: step 450 is in epoch 1 (0-based), 60 steps redone
+    assert resume_point(450, 50_000 // 128) == (1, 60)

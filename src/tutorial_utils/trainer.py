@@ -228,3 +228,10 @@ class Trainer:
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
         return total_correct / n
+
+
+def resume_point(crash_step: int, steps_per_epoch: int) -> tuple[int, int]:
+    """Exercise: (epoch a restarted job resumes at, steps it trains again) after a crash at
+    global step ``crash_step`` when a checkpoint is written after every epoch."""
+    resume_epoch = crash_step // steps_per_epoch
+    return resume_epoch, crash_step - resume_epoch * steps_per_epoch

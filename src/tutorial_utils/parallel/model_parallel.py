@@ -130,3 +130,11 @@ def predicted_pipeline_ms(stage_ms: float, stages: int, micro_batches: int,
     """
     per_micro_batch = stage_ms / micro_batches + overhead_ms
     return pipeline_ms([per_micro_batch] * stages, micro_batches)
+
+
+def micro_batches_for_bubble(stages: int, bubble: float) -> int:
+    """Exercise: the fewest micro-batches whose fill/drain bubble is at most ``bubble``."""
+    m = 1
+    while bubble_fraction(stages, m) > bubble:
+        m += 1
+    return m
