@@ -41,8 +41,8 @@ serve: book
 	$(PY) -m http.server --directory _build/html 8000
 
 test: $(VENV)/.installed
-	$(PY) -m ruff check src tests scripts
-	$(PY) -m pytest -q tests
+	$(PY) -m ruff check src tests scripts lab
+	$(PY) -m pytest -q tests lab/tests
 	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
 	$(PY) -m tutorial_utils.nbtools check $(NB)
 	$(JB) build . --all --warningiserror --keep-going

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lab.grad_buckets import AveragingSGD, GradBuckets
 from torch import nn
 
-from tutorial_utils.parallel.data_parallel import ddp
+from tutorial_utils.parallel.ddp import ddp
 from tutorial_utils.parallel.distributed import distributed
 from tutorial_utils.step_graph import StepGraph
 

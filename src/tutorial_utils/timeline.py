@@ -14,6 +14,10 @@ import gzip
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 HOST_OPS, LAUNCHES, GLOO = "host: PyTorch operators", "host: CUDA calls", "gloo collectives"
 COMPUTE, NCCL, COPIES = "GPU: compute kernels", "GPU: NCCL kernels", "GPU: copies, memsets"
@@ -34,6 +38,35 @@ def record(model: str, batch: int, n: int, device: str, graphed: bool, trace: Pa
     args += ["--compile", "default", "--capture", "--optimizer", "fused"] if graphed else []
     return torchrun("tutorial_utils.workers.step_timing", args, nproc=n, timeout_s=900,
                     metrics_file=out, echo=False).metrics[0]
+
+
+def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:
+    """Profile ``steps`` calls of ``step`` on every rank (their collectives must match); GPU
+    milliseconds per step in kernels and in NCCL; a rank given ``trace`` writes the trace."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from .timing import synchronize
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for i in range(steps):
+            with record_function(f"step {i}"):  # marks where each step starts on the host
+                step()
+        synchronize(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    on_gpu = [e for e in prof.events()
+              if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    nccl = [e for e in on_gpu if "nccl" in e.name.lower()]
+
+    def per_step_ms(events) -> float:
+        return sum(e.time_range.elapsed_us() for e in events) / steps / 1e3
+
+    return {"gpu_kernels_ms": per_step_ms(on_gpu) - per_step_ms(nccl),
+            "gpu_nccl_ms": per_step_ms(nccl)}
 
 
 def load(path: Path | str) -> list[dict]:

@@ -29,16 +29,25 @@ from ..models import wide_resnet
 from ..parallel.ddp import compile_for_ddp, ddp, measure_bus_bandwidth
 from ..parallel.distributed import DistContext, distributed
 from ..step_graph import StepGraph
+from ..timeline import profile_steps
 from ..timing import benchmark, host_clock_without_sync, synchronize
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options every step-timing worker shares: the workload, the repeats, where to write."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="wrn-28-10")
     parser.add_argument("--batch", type=int, default=128, help="per-process batch")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--compile", default="none", choices=["none", "default", "reduce-overhead"],
                         help="torch.compile mode of the network inside DDP")
     parser.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
@@ -47,8 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--capture", action="store_true",
                         help="record each whole step as one CUDA graph (GPU only; with "
                         "--optimizer fused)")
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--trace", type=Path, help="rank 0 writes a profiler trace here")
     args = parser.parse_args(argv)
     if args.capture and args.optimizer != "fused":
         parser.error("--capture records the optimizer step too, which must read its lr from "
@@ -57,12 +64,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    run(parse_args(argv), measure)
+
+
+def run(args: argparse.Namespace, measure_fn) -> None:
+    """In the process group: ``measure_fn(args, ctx, graph, local_graph)``; rank 0 writes it."""
     with distributed(args.device) as ctx:
         # The graphs are released (inner block) before the process group is destroyed.
         with StepGraph(ctx.device, args.capture) as graph, \
                 StepGraph(ctx.device, args.capture) as local_graph:
-            record = measure(args, ctx, graph, local_graph)
+            record = measure_fn(args, ctx, graph, local_graph)
         if ctx.is_main:
             with open(args.out, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -93,56 +104,32 @@ def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
             loss.backward()
         opt.step()
 
-    step = graph.capture(lambda: body(sync=True), net, opt)
-    with_ddp = benchmark(step, warmup=args.warmup, repeats=args.repeats, device=dev)
-    compute = benchmark(local_graph.capture(lambda: body(sync=False), net, opt), warmup=2,
-                        repeats=args.repeats, device=dev)
-    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
-    busbw = measure_bus_bandwidth(ctx, grad_bytes) if ctx.is_distributed else None
-    synchronize(dev)
-    host = host_clock_without_sync(step, repeats=5)
-    synchronize(dev)
-    record = {
-        "world_size": ctx.world_size, "model": args.model, "compile": args.compile,
-        "optimizer": args.optimizer, "capture": args.capture, "per_gpu_batch": args.batch,
-        "ddp_ms": with_ddp.median_ms, "ddp_spread": with_ddp.spread,
-        "no_sync_ms": compute.median_ms, "host_ms": host.median_ms,
-        "grad_bytes": grad_bytes, "bus_gbps": busbw, "device": str(dev),
-    }
+    record, step = time_both(ctx, net, opt, body, graph, local_graph, args)
+    record |= {"world_size": ctx.world_size, "model": args.model, "compile": args.compile,
+               "optimizer": args.optimizer, "capture": args.capture,
+               "per_gpu_batch": args.batch, "device": str(dev)}
     if args.trace:
         record |= profile_steps(step, dev, args.trace if ctx.is_main else None)
     return record
 
 
-def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:
-    """Profile ``steps`` calls of ``step``; GPU milliseconds per step in kernels and in NCCL.
-
-    Only the GPU's own kernel and copy events count (CPU operators carry the time of the
-    kernels under them). Every rank runs the profiled steps (their collectives must match);
-    only a rank given a ``trace`` path writes the Chrome trace.
-    """
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for i in range(steps):
-            with record_function(f"step {i}"):  # marks where each step starts on the host
-                step()
-        synchronize(device)
-    if trace is not None:
-        prof.export_chrome_trace(str(trace))
-    on_gpu = [e for e in prof.events()
-              if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-    nccl = [e for e in on_gpu if "nccl" in e.name.lower()]
-
-    def per_step_ms(events) -> float:
-        return sum(e.time_range.elapsed_us() for e in events) / steps / 1e3
-
-    return {"gpu_kernels_ms": per_step_ms(on_gpu) - per_step_ms(nccl),
-            "gpu_nccl_ms": per_step_ms(nccl)}
+def time_both(ctx: DistContext, net, opt, body, graph: StepGraph, local_graph: StepGraph,
+              args: argparse.Namespace) -> tuple[dict, object]:
+    """``body(sync=True)`` (DDP) and ``body(sync=False)`` (no communication) captured and
+    timed, the bus bandwidth of an all-reduce of every gradient, and the host's queueing time
+    of one DDP step; those record fields, and the DDP step itself."""
+    step = graph.capture(lambda: body(sync=True), net, opt)
+    with_ddp = benchmark(step, warmup=args.warmup, repeats=args.repeats, device=ctx.device)
+    compute = benchmark(local_graph.capture(lambda: body(sync=False), net, opt), warmup=2,
+                        repeats=args.repeats, device=ctx.device)
+    grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    busbw = measure_bus_bandwidth(ctx, grad_bytes) if ctx.is_distributed else None
+    synchronize(ctx.device)
+    host = host_clock_without_sync(step, repeats=5)
+    synchronize(ctx.device)
+    return {"ddp_ms": with_ddp.median_ms, "ddp_spread": with_ddp.spread,
+            "no_sync_ms": compute.median_ms, "host_ms": host.median_ms,
+            "grad_bytes": grad_bytes, "bus_gbps": busbw}, step
 
 
 if __name__ == "__main__":
