@@ -20,7 +20,11 @@ endif
 NBVAL = $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env
 JB    = $(VENV)/bin/jupyter-book
 
-.PHONY: book serve test gpu-test execute wheelhouse clean
+.PHONY: book serve test check-book browser gpu-test execute wheelhouse clean
+
+# The rendered book's check (scripts/check_book.py): with Chromium it also screenshots every page.
+CHECK_BOOK = $(PY) scripts/check_book.py _build/html $$(command -v chromium >/dev/null \
+	  && echo --screenshots _build/screenshots || echo --no-browser)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -40,12 +44,28 @@ book: $(VENV)/.installed
 serve: book
 	$(PY) -m http.server --directory _build/html 8000
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed browser
 	$(PY) -m ruff check src tests scripts lab
 	$(PY) -m pytest -q tests lab/tests
 	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
 	$(PY) -m tutorial_utils.nbtools check $(NB)
 	$(JB) build . --all --warningiserror --keep-going
+	$(CHECK_BOOK)
+
+# After `make book`: links, images, figures, stored outputs and maths of every page.
+check-book: browser
+	$(CHECK_BOOK)
+
+# Chromium for the screenshots: installed with apt-get when missing and we are root (a fresh
+# Debian CI machine, about 20 s); otherwise the check runs without it and says so.
+browser:
+	@command -v chromium >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "browser: installing chromium with apt-get"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null \
+	    || echo "browser: apt-get could not install chromium; the book check runs with --no-browser"; \
+	else echo "browser: no chromium and not root; the book check runs with --no-browser"; fi
 
 gpu-test: $(SETUP)
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
