@@ -52,3 +52,10 @@ def test_cuda_graphs_under_ddp_compile_the_network_as_one_graph():
         compiled = compile_for_ddp(net, "reduce-overhead", two)
         assert not torch._dynamo.config.optimize_ddp
     assert compiled is not net and compiled._orig_mod is net
+
+
+def test_table_columns_line_up_with_long_names():
+    rows = [Row("1 GPU", 1, 10.0, 100.0, 1.0),
+            Row("DDP, CUDA graphs, no_sync (compute only)", 2, 6.0, 333.0, 1.67)]
+    head, *lines = table(rows).splitlines()
+    assert len({len(head), *map(len, lines)}) == 1

@@ -102,12 +102,13 @@ def summary(rows: list[Row], ddp: dict, size: LadderSize) -> dict[str, float | s
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'run':<36}{'GPUs':>5}{'step (ms)':>11}{'images/s':>10}{'vs best 1-GPU':>15}"]
+    w = max(len("run"), *(len(r.name) for r in rows)) + 2  # the columns line up whatever the names
+    lines = [f"{'run':<{w}}{'GPUs':>5}{'step (ms)':>11}{'images/s':>10}{'vs best 1-GPU':>15}"]
     for r in rows:
         if r.step_ms is None:
-            lines.append(f"{r.name:<36}{r.gpus:>5}  {r.note}")
+            lines.append(f"{r.name:<{w}}{r.gpus:>5}  {r.note}")
         else:
-            lines.append(f"{r.name:<36}{r.gpus:>5}{r.step_ms:>11.2f}{r.images_per_s:>10.0f}"
+            lines.append(f"{r.name:<{w}}{r.gpus:>5}{r.step_ms:>11.2f}{r.images_per_s:>10.0f}"
                          f"{r.speedup:>14.2f}x")
     return "\n".join(lines)
 
@@ -128,8 +129,9 @@ def plot(rows: list[Row], ddp: dict, title: str):
     ax.invert_yaxis()
     ax.set_xlabel("training images / s")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
     ax.margins(x=0.15)
+    # Below the axes: inside, the legend would cover the longest bars and their labels.
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
     fig.tight_layout()
     return fig
 
