@@ -56,12 +56,19 @@ def test_a_clean_book_passes(tmp_path, capsys):
     ("loss 0.25", "x.py:3: UserWarning: slow", "stored output shows"),
     ("loss 0.25", "frame #0: c10::Error::Error()", "stored output shows"),
     ("loss 0.25", "Traceback (most recent call last):", "stored output shows"),
+    ("loss 0.25", "c10d::ProcessGroupNCCL::Watchdog::runLoop() + 0x17b1", "stored output shows"),
     ("Inline <span", "Inline $a + b$ and <span", "unrendered maths '$a + b$'"),
 ])
 def test_each_fault_is_reported(tmp_path, capsys, old, new, problem):
     assert old in GOOD
     rc, out = run(tmp_path, GOOD.replace(old, new), capsys)
     assert rc == 1 and problem in out, out
+
+
+def test_a_one_line_error_naming_a_cxx_exception_is_fine(tmp_path, capsys):
+    rc, out = run(tmp_path, GOOD.replace("loss 0.25", "rank 0 failed: c10::DistBackendError: "
+                                         "timeout"), capsys)
+    assert rc == 0, out
 
 
 def test_pseudo_maths_only_warns(tmp_path, capsys):
@@ -85,3 +92,11 @@ def test_screenshots_in_chromium(tmp_path, capsys):
     # the fake PNG has no pixels: Chromium cannot decode it, and says so
     assert rc == 1 and "a.png has no natural size" in out, out
     assert sorted(p.name for p in shots.iterdir()) == ["index.png", "other.png"]
+
+
+def test_old_outputs_of_a_chapter_pending_re_execution_only_warn(tmp_path, capsys):
+    page = GOOD.replace("loss 0.25", "x.py:3: UserWarning: slow")
+    pending = page.replace("<h1>Chapter</h1>", "<h1>Chapter</h1><p class=\"admonition-title\">"
+                           "Re-execution on 2 GPUs pending</p>")
+    rc, out = run(tmp_path, pending, capsys)
+    assert rc == 0 and "warning: stored output shows" in out and "pending re-execution" in out
