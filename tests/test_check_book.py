@@ -15,7 +15,8 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
 GOOD = """<html><head><script src="https://cdn.example/mathjax/tex.js"></script></head><body>
 <article class="bd-article"><section id="top"><h1>Chapter</h1>
 <p>Inline <span class="math notranslate nohighlight">\\(x^2\\)</span>, costs in <code>$HOME</code>;
-see <a class="reference internal" href="#fig-a">Fig. 1</a> and <a href="other.html#sec">there</a>.</p>
+see <a class="reference internal" href="#fig-a">Fig. 1</a> and
+<a href="other.html#sec">there</a>.</p>
 <div class="cell_output docutils container"><pre>loss 0.25</pre>
 <figure id="fig-a"><img alt="Loss against epoch." src="_images/a.png" />
 <figcaption><p><span class="caption-number">Fig. 1 </span>Loss.<a href="#fig-a">#</a></p>
