@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from .collectives import bus_factor, busbw_gbps
 from .distributed import DistContext
 
 
@@ -134,7 +135,7 @@ def ring_all_reduce_seconds(nbytes: float, world_size: int, bus_gbps: float) -> 
     """
     if world_size < 2:
         return 0.0
-    return 2 * (world_size - 1) / world_size * nbytes / (bus_gbps * 1e9)
+    return bus_factor("all_reduce", world_size) * nbytes / (bus_gbps * 1e9)
 
 
 def weak_scaling_prediction(single_ms: float, compute_ms: float, grad_bytes: float, n: int,
@@ -158,5 +159,4 @@ def measure_bus_bandwidth(ctx: DistContext, nbytes: int, repeats: int = 10) -> f
 
     buf = torch.ones(nbytes // 4, device=ctx.device)
     t = benchmark(lambda: dist.all_reduce(buf), warmup=3, repeats=repeats, device=ctx.device)
-    n = ctx.world_size
-    return 2 * (n - 1) / n * nbytes / (t.median_ms * 1e-3) / 1e9
+    return busbw_gbps("all_reduce", nbytes, t.median_ms * 1e-3, ctx.world_size)
