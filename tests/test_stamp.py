@@ -32,3 +32,24 @@ def test_gpu_stamp_names_the_gpu_and_driver():
     s = environment_stamp()
     assert s.is_gpu and s.gpu_names[0] and s.driver != "-"
     assert s.hardware.startswith(f"{s.gpu_count} x ")
+
+
+def test_cpu_model_comes_from_the_model_name_line(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\n"
+                    "model name\t: AMD EPYC 9454   48-Core Processor\nflags\t\t: fpu\n")
+    assert stamp_mod.cpu_model(info) == "AMD EPYC 9454 48-Core Processor"
+
+
+def test_cpu_model_falls_back_without_cpuinfo(tmp_path):
+    assert stamp_mod.cpu_model(tmp_path / "missing") not in ("", None)
+
+
+def test_stamp_shows_the_cpu_model_and_nccl_version():
+    s = environment_stamp()
+    rows = dict(s.rows())
+    assert s.cpu_model in rows["CPU"] and rows["NCCL"] == s.nccl
+    if torch.distributed.is_nccl_available():
+        assert s.nccl == ".".join(map(str, torch.cuda.nccl.version()))
+    if s.gpu_count == 0:
+        assert s.cpu_model in s.hardware

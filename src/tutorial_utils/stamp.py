@@ -29,17 +29,19 @@ class EnvironmentStamp:
     torch: str
     torchvision: str
     python: str
-    cpu: str
+    cpu: str  # the architecture, such as x86_64
+    cpu_model: str  # such as "AMD EPYC 9454 48-Core Processor"
     cpu_count: int
+    nccl: str  # the NCCL version torch was built with, or "-" without NCCL
     git_commit: str
     date_utc: str
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def hardware(self) -> str:
-        """A short label such as ``2 x NVIDIA H200`` or ``CPU only (x86_64, 2 cores)``."""
+        """A short label such as ``2 x NVIDIA H200`` or ``CPU only (Intel Xeon ..., 2 cores)``."""
         if self.gpu_count == 0:
-            return f"CPU only ({self.cpu}, {self.cpu_count} cores)"
+            return f"CPU only ({self.cpu_model}, {self.cpu_count} cores)"
         names = sorted(set(self.gpu_names))
         return f"{self.gpu_count} x {' + '.join(names)}"
 
@@ -56,7 +58,9 @@ class EnvironmentStamp:
             ("hardware", self.hardware),
             ("GPU memory", mem),
             ("GPU interconnect", self.interconnect),
+            ("CPU", f"{self.cpu_model} ({self.cpu}, {self.cpu_count} cores)"),
             ("driver / CUDA / cuDNN", f"{self.driver} / {self.cuda_runtime} / {self.cudnn}"),
+            ("NCCL", self.nccl),
             ("torch / torchvision", f"{self.torch} / {self.torchvision}"),
             ("python", self.python),
             ("git commit", self.git_commit),
@@ -111,6 +115,29 @@ def interconnect(gpu_count: int) -> str:
     return "peer access (link type unknown)" if p2p else "no peer access (through host)"
 
 
+def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's marketing name: Linux's ``model name`` line, else what ``platform`` knows."""
+    try:
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return " ".join(value.split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def nccl_version() -> str:
+    """The NCCL version this torch was built with (``2.27.5``), or ``-`` without NCCL."""
+    if not (torch.distributed.is_available() and torch.distributed.is_nccl_available()):
+        return "-"
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return "-"
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
 def _git_commit() -> str:
     here = Path(__file__).resolve().parent
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here)
@@ -139,7 +166,9 @@ def environment_stamp() -> EnvironmentStamp:
         torchvision=torchvision.__version__,
         python=platform.python_version(),
         cpu=platform.machine(),
+        cpu_model=cpu_model(),
         cpu_count=os.cpu_count() or 1,
+        nccl=nccl_version(),
         git_commit=_git_commit(),
         date_utc=_dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M"),
     )
