@@ -20,6 +20,7 @@ import torch
 
 from .devices import gpu_count
 from .parallel.ddp import ring_all_reduce_seconds
+from .report import legend_outside
 from .workload import LADDER, LadderSize, measure_rung, time_data_parallel, time_ddp
 
 
@@ -130,8 +131,7 @@ def plot(rows: list[Row], ddp: dict, title: str):
     ax.set_xlabel("training images / s")
     ax.set_title(title, fontsize=9)
     ax.margins(x=0.15)
-    # Below the axes: inside, the legend would cover the longest bars and their labels.
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), frameon=False)
+    legend_outside(ax, "below")  # beside, it would squeeze the bars; inside, it hides them
     fig.tight_layout()
     return fig
 

@@ -14,7 +14,7 @@ import torch
 
 from .memory import PARTS, Breakdown, breakdown, checkpointed, train_step, zero_table
 from .models import wide_resnet
-from .report import Column, table
+from .report import Column, legend_outside, table
 from .timing import benchmark
 from .workload import cudnn_autotuning
 
@@ -135,7 +135,7 @@ def plot_curve(curve: list[Breakdown], title: str):
     ax.set_xlabel("batch size (images)")
     ax.set_ylabel(f"memory ({name})")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    legend_outside(ax)
     fig.tight_layout()
     return fig
 
@@ -169,7 +169,7 @@ def plot_checkpointing(rows: list[dict], title: str):
     ax.set_xlabel("training step (ms, median)")
     ax.set_ylabel("measured peak (MiB)" if measured else "sum of the parts (MiB, no GPU)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     ax.margins(0.2)
     ax.set_xlim(left=0)
     ax.set_ylim(bottom=0)

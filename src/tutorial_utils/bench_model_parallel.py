@@ -35,6 +35,7 @@ from .parallel.model_parallel import (
     pipeline_ms,
     split_sequential,
 )
+from .report import legend_outside
 from .timing import benchmark
 from .workload import cudnn_autotuning
 
@@ -165,7 +166,7 @@ def plot(rows: list[PipelineRow], stages: int, title: str):
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("speed-up over the naive split")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     fig.tight_layout()
     return fig
 

@@ -54,20 +54,22 @@ def ladder_table(results: list[RungResult]) -> str:
 
 
 def plot_ladder(results: list[RungResult], title: str):
-    """Bar chart of images/s per rung, each bar labelled with its speed-up over the first."""
+    """Horizontal bars of images/s per rung, first rung on top, each labelled with its speed-up
+    over the first (horizontal, so that the rungs' names never collide)."""
     import matplotlib.pyplot as plt
 
     measured = [r for r in results if r.timing is not None]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(measured) + 1.0))
     names = [r.rung.name for r in measured]
     rates = [r.images_per_s for r in measured]
-    bars = ax.bar(names, rates, color="#4c72b0")
+    bars = ax.barh(names, rates, color="#4c72b0")
     for bar, rate in zip(bars, rates, strict=True):
-        ax.annotate(f"{rate / rates[0]:.2f}x", (bar.get_x() + bar.get_width() / 2, rate),
-                    ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("training images / s")
+        ax.annotate(f" {rate / rates[0]:.2f}x", (rate, bar.get_y() + bar.get_height() / 2),
+                    ha="left", va="center", fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlabel("training images / s")
     ax.set_title(title, fontsize=10)
-    ax.margins(y=0.15)
+    ax.margins(x=0.12)
     fig.tight_layout()
     return fig
 

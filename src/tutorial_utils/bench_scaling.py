@@ -25,6 +25,7 @@ import torch
 
 from .devices import NotEnoughGPUsError, gpu_count, require_gpus
 from .parallel.ddp import ring_all_reduce_seconds
+from .report import legend_outside
 from .workload import LADDER, LadderSize, measure_rung, time_data_parallel, time_ddp
 
 TRAIN_IMAGES = 50_000
@@ -212,7 +213,7 @@ def plot(runs: list[Run], title: str):
     ax.set_xticks(range(len(groups)), [f"{regime}\n{gpus} GPUs" for regime, gpus in groups])
     ax.set_ylabel("speed-up over the best 1-GPU run")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper left")
+    legend_outside(ax, fontsize=7)
     fig.tight_layout()
     return fig
 

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from .launch import torchrun
-from .report import Column, table
+from .report import Column, legend_outside, table
 from .train import REFERENCE_BATCH, TrainConfig
 
 
@@ -180,7 +180,7 @@ def plot_curves(runs: list[TrainingRun], title: str, targets: tuple[float, ...] 
     by_epoch.set_xlabel("epoch")
     by_time.set_xlabel("training time (s, compilation excluded)")
     by_epoch.set_ylabel("test accuracy (%)")
-    by_epoch.legend(fontsize=8)
+    legend_outside(by_time)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     return fig

@@ -47,17 +47,34 @@ def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def figure_title(what: str) -> str:
-    """``what`` followed by the hardware it was measured on (``2 x NVIDIA H200``)."""
+def figure_title(what: str, gpus: int | None = None) -> str:
+    """``what`` followed by the hardware it was measured on (``2 x NVIDIA H200``); ``gpus``
+    names how many of the machine's GPUs the figure's runs used (``1 x NVIDIA H200``)."""
     from .stamp import environment_stamp
 
-    return f"{what} - {environment_stamp().hardware}"
+    stamp = environment_stamp()
+    if gpus is None or not stamp.is_gpu:
+        return f"{what} - {stamp.hardware}"
+    if gpus > stamp.gpu_count:
+        raise ValueError(f"the figure's runs cannot have used {gpus} GPUs: this machine has "
+                         f"{stamp.gpu_count}")
+    return f"{what} - {gpus} x {stamp.gpu_names[0]}"
+
+
+def legend_outside(ax, where: str = "right", fontsize: int = 8, ncol: int = 1) -> None:
+    """The axes' legend beside them (``"right"``) or under them (``"below"``): outside the
+    data, so that it hides no bar or point whatever the numbers turn out to be."""
+    if where == "right":
+        ax.legend(fontsize=fontsize, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    elif where == "below":
+        from matplotlib.transforms import ScaledTranslation
+
+        # Half an inch under the axes: below the tick labels and the axis label.
+        under = ax.transAxes + ScaledTranslation(0, -0.5, ax.figure.dpi_scale_trans)
+        ax.legend(fontsize=fontsize, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=ncol,
+                  bbox_transform=under, frameon=False)
+    else:
+        raise ValueError(f"where must be 'right' or 'below', not {where!r}")
 
 
 def glue_summary(summary: Mapping[str, object], prefix: str = "") -> None:
