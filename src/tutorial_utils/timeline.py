@@ -29,15 +29,10 @@ def record(model: str, batch: int, n: int, device: str, graphed: bool, trace: Pa
            repeats: int = 10) -> dict:
     """Time and profile one DDP configuration with :mod:`~tutorial_utils.workers.step_timing`
     in ``n`` processes (a step graph when ``graphed``); rank 0's Chrome trace goes to ``trace``."""
-    from .launch import torchrun
+    from .workload import LadderSize, time_ddp
 
-    out = trace.with_suffix(".jsonl")
-    out.unlink(missing_ok=True)
-    args = ["--model", model, "--batch", str(batch), "--repeats", str(repeats), "--device",
-            device, "--trace", str(trace), "--out", str(out)]
-    args += ["--compile", "default", "--capture", "--optimizer", "fused"] if graphed else []
-    return torchrun("tutorial_utils.workers.step_timing", args, nproc=n, timeout_s=900,
-                    metrics_file=out, echo=False).metrics[0]
+    return time_ddp(LadderSize(model, batch, warmup=5, repeats=repeats), n, device,
+                    "default" if graphed else "none", capture=graphed, trace=trace)
 
 
 def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:

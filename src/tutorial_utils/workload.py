@@ -175,10 +175,11 @@ def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> 
 
 
 def time_ddp(size: LadderSize, n: int, device: str, compile_mode: str = "none",
-             capture: bool = False, timeout_s: float = 900) -> dict:
+             capture: bool = False, timeout_s: float = 900, trace: Path | None = None) -> dict:
     """The record of :mod:`~tutorial_utils.workers.step_timing` run in ``n`` processes.
 
-    ``capture`` records the whole step as one CUDA graph, with fused SGD as in ``train.py``.
+    ``capture`` records the whole step as one CUDA graph, with fused SGD as in ``train.py``;
+    with ``trace``, rank 0 also profiles a few steps and writes their Chrome trace there.
     """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.jsonl"
@@ -187,6 +188,8 @@ def time_ddp(size: LadderSize, n: int, device: str, compile_mode: str = "none",
                 "--out", str(out)]
         if capture:
             args += ["--capture", "--optimizer", "fused"]
+        if trace is not None:
+            args += ["--trace", str(trace)]
         result = torchrun("tutorial_utils.workers.step_timing", args, nproc=n,
                           timeout_s=timeout_s, metrics_file=out, echo=False)
     return result.metrics[0]
