@@ -6,6 +6,9 @@ VENV       ?= .venv
 NB         ?= $(sort $(wildcard notebooks/*.ipynb))
 WHEELHOUSE ?=
 WHEELHOUSE_PYTHON ?= 3.12
+# The notebooks under `make gpu-test`: on the GPU at the small size (full: at the size `make
+# execute` runs them, which on one GPU takes far longer than a test should).
+GPU_PROFILE ?= smoke
 
 ifneq ($(strip $(WHEELHOUSE)),)
 # Offline runner: use its python3 and its torch; notebook tooling comes from the wheelhouse.
@@ -70,7 +73,7 @@ browser:
 gpu-test: $(SETUP)
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
 	$(PY) -m pytest -q -p no:cacheprovider tests
-	TUTORIAL_PROFILE=full $(NBVAL) --nbval-cell-timeout=1800 $(NB)
+	TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
 
 execute: $(SETUP)
 	$(PY) -m tutorial_utils.nbtools execute $(if $(FORCE),--force) $(NB)
