@@ -74,3 +74,17 @@ def test_plan_on_each_kind_of_machine():
     one = plan(1, "full")
     assert (one.device, one.counts, one.profile) == ("cuda", [1], "full") and "2 GPUs" in one.note
     assert plan(4, "full").counts == [1, 2, 4]
+
+
+def test_a_run_in_several_attempts_counts_every_compilation():
+    from tutorial_utils.experiment import TrainingRun
+
+    records = [{"event": "start", "world_size": 1, "compile_warmup_s": 30.0, "start_epoch": 0},
+               {"event": "epoch", "epoch": 1, "epoch_time_s": 4.0, "test_acc": 0.5},
+               {"event": "start", "world_size": 1, "compile_warmup_s": 12.0, "start_epoch": 1},
+               {"event": "epoch", "epoch": 2, "epoch_time_s": 4.0, "test_acc": 0.6}]
+    run = TrainingRun.from_records(records, "two attempts")
+    assert run.compile_s == 42.0 and [e["epoch"] for e in run.epochs] == [1, 2]
+    assert run.final_acc == 0.6 and run.processes == 1
+    with pytest.raises(ValueError, match="no start record"):
+        TrainingRun.from_records(records[1:2], "headless")

@@ -79,6 +79,35 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, loader):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_resumed_run_keeps_one_record_per_epoch_and_adds_up_its_training_time(
+        tmp_path, monkeypatch):
+    from tutorial_utils.experiment import load_run
+
+    cfg = tiny(tmp_path, epochs=4, checkpoint_every=2)
+    original = train_mod.Trainer.train_one_epoch
+
+    def die_in_epoch_4(self, epoch):  # epoch 3 is logged, then lost: the checkpoint is of 2
+        if epoch == 3:
+            raise Killed
+        return original(self, epoch)
+
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", die_in_epoch_4)
+    with pytest.raises(Killed):
+        run(cfg, CPU)
+    first = load_run(cfg.out / "metrics.jsonl")
+    assert [e["epoch"] for e in first.epochs] == [1, 2, 3]
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", original)
+    resumed = run(tiny(tmp_path, epochs=4, checkpoint_every=2, resume=True), CPU)
+
+    whole = load_run(cfg.out / "metrics.jsonl")
+    assert [e["epoch"] for e in whole.epochs] == [1, 2, 3, 4] and len(whole.resumes) == 1
+    assert whole.resumes[0]["start_epoch"] == 2
+    assert whole.epochs[2:] == resumed  # epoch 3 retrained, its lost record replaced
+    sums = [sum(e["epoch_time_s"] for e in whole.epochs[: i + 1]) for i in range(4)]
+    assert [e["train_time_s"] for e in whole.epochs] == pytest.approx(sums)
+    assert whole.train_s == pytest.approx(whole.epochs[-1]["train_time_s"])
+
+
 def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
     straight = tiny(tmp_path / "a", epochs=1, dropout=0.3)
     run(straight, CPU)

@@ -12,8 +12,9 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 
-from .launch import torchrun
+from .launch import read_metrics, torchrun
 from .report import Column, legend_outside, table
 from .train import REFERENCE_BATCH, TrainConfig
 
@@ -23,7 +24,17 @@ class TrainingRun:
     processes: int
     label: str
     epochs: list[dict]  # the "epoch" records of metrics.jsonl
-    start: dict  # its "start" record: configuration, batches, data, stamp
+    start: dict  # its first "start" record: configuration, batches, data, stamp
+    resumes: list[dict] = dataclasses.field(default_factory=list)  # later attempts' "start"
+
+    @classmethod
+    def from_records(cls, records: list[dict], label: str) -> TrainingRun:
+        """A run from the JSON lines of its metrics.jsonl, over all its attempts."""
+        starts = [r for r in records if r["event"] == "start"]
+        if not starts:
+            raise ValueError(f"{label}: no start record: not a training run's metrics")
+        return cls(starts[0]["world_size"], label,
+                   [r for r in records if r["event"] == "epoch"], starts[0], starts[1:])
 
     @property
     def train_s(self) -> float:
@@ -42,8 +53,8 @@ class TrainingRun:
 
     @property
     def compile_s(self) -> float:
-        """Compilation and graph capture before the clock started."""
-        return self.start.get("compile_warmup_s", 0.0)
+        """Compilation and graph capture before the clock started (every attempt's)."""
+        return sum(s.get("compile_warmup_s", 0.0) for s in [self.start, *self.resumes])
 
 
 @dataclass(frozen=True)
@@ -76,9 +87,12 @@ def train(processes: int, cfg: TrainConfig, label: str = "", timeout_s: float = 
     """Run the training entry point with ``cfg`` in ``processes`` processes; its records."""
     result = torchrun("tutorial_utils.train", cfg.to_argv(), nproc=processes,
                       timeout_s=timeout_s, metrics_file=cfg.out / "metrics.jsonl", echo=echo)
-    start = next(r for r in result.metrics if r["event"] == "start")
-    epochs = [r for r in result.metrics if r["event"] == "epoch"]
-    return TrainingRun(processes, label or f"{processes} process(es)", epochs, start)
+    return TrainingRun.from_records(result.metrics, label or f"{processes} process(es)")
+
+
+def load_run(path: Path, label: str = "") -> TrainingRun:
+    """A run from a stored metrics.jsonl (one made earlier, in one attempt or several)."""
+    return TrainingRun.from_records(read_metrics(path), label or path.parent.name)
 
 
 def time_to_accuracy(run: TrainingRun, target: float) -> float:

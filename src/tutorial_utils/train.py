@@ -9,6 +9,7 @@ configuration and the environment stamp) and a checkpoint to ``<out>/checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, parse, to_argv, to_dict
 from .data import Cifar10, DataError, load_cifar10
 from .devices import NotEnoughGPUsError
+from .launch import read_metrics
 from .parallel.distributed import DistContext, distributed
 from .report import write_jsonl
 from .trainer import Trainer
@@ -148,21 +150,33 @@ def _start_record(cfg: TrainConfig, ctx: DistContext, data: Cifar10, trainer: Tr
             "compile_warmup_s": warmup_s, "stamp": environment_stamp().as_dict()}
 
 
+def _keep_records_until(metrics: Path, epoch: int) -> float:
+    """Before a resume from the checkpoint of ``epoch``: drop the records of later epochs (an
+    attempt may have logged an epoch and died before checkpointing it); return the training
+    time so far, so that time to accuracy adds up over the attempts."""
+    kept = [r for r in read_metrics(metrics) if r["event"] != "epoch" or r["epoch"] <= epoch]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return next((r["train_time_s"] for r in reversed(kept) if r["event"] == "epoch"), 0.0)
+
+
 def _train(cfg: TrainConfig, ctx: DistContext, data: Cifar10, trainer: Trainer) -> list[dict]:
     warmup_s = trainer.warm_up() if cfg.compile != "none" or cfg.step_graph else 0.0
-    metrics = cfg.out / "metrics.jsonl"
+    metrics, train_s = cfg.out / "metrics.jsonl", 0.0
     if ctx.is_main:
         if trainer.start_epoch == 0:
             metrics.unlink(missing_ok=True)
+        else:
+            train_s = _keep_records_until(metrics, trainer.start_epoch)
         write_jsonl(metrics, [_start_record(cfg, ctx, data, trainer, warmup_s)])
         if data.synthetic:
             print(f"WARNING: training on {data.name} data, not CIFAR-10", file=sys.stderr)
-    records, train_s, t0 = [], 0.0, time.perf_counter()  # the clock starts after compilation
+    records, t0 = [], time.perf_counter()  # the clock starts after compilation
     for epoch in range(trainer.start_epoch, cfg.epochs):
         record = {"event": "epoch", "epoch": epoch + 1, **trainer.train_one_epoch(epoch),
                   "test_acc": trainer.evaluate(), "lr": trainer.scheduler.get_last_lr()[0]}
         train_s += record["epoch_time_s"]
-        # time to accuracy: training alone, and the wall clock with evaluation (this attempt)
+        # time to accuracy: training alone (all attempts), the wall clock with evaluation (this
+        # attempt; rank 0's sums are the ones written)
         record |= {"train_time_s": train_s, "wall_s": time.perf_counter() - t0}
         records.append(record)
         if ctx.is_main:
