@@ -54,23 +54,28 @@ class Killed(Exception):
     pass
 
 
+def killed_in_epoch(cfg, epoch, monkeypatch):
+    """Run ``cfg`` and let it die at the start of ``epoch`` (counted from 1)."""
+    original = train_mod.Trainer.train_one_epoch
+
+    def dies(self, index):
+        if index == epoch - 1:
+            raise Killed
+        return original(self, index)
+
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", dies)
+    with pytest.raises(Killed):
+        run(cfg, CPU)
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", original)
+
+
 @pytest.mark.parametrize("loader", ["device", "dataloader"])
 def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, loader):
     straight = tiny(tmp_path / "a", epochs=3, loader=loader)
     straight_records = run(straight, CPU)
 
     interrupted = tiny(tmp_path / "b", epochs=3, loader=loader)
-    original = train_mod.Trainer.train_one_epoch
-
-    def die_in_epoch_2(self, epoch):
-        if epoch == 1:
-            raise Killed
-        return original(self, epoch)
-
-    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", die_in_epoch_2)
-    with pytest.raises(Killed):
-        run(interrupted, CPU)
-    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", original)
+    killed_in_epoch(interrupted, 2, monkeypatch)
     resumed = run(tiny(tmp_path / "b", epochs=3, resume=True, loader=loader), CPU)
 
     assert [r["epoch"] for r in resumed] == [2, 3]
@@ -84,19 +89,9 @@ def test_a_resumed_run_keeps_one_record_per_epoch_and_adds_up_its_training_time(
     from tutorial_utils.experiment import load_run
 
     cfg = tiny(tmp_path, epochs=4, checkpoint_every=2)
-    original = train_mod.Trainer.train_one_epoch
-
-    def die_in_epoch_4(self, epoch):  # epoch 3 is logged, then lost: the checkpoint is of 2
-        if epoch == 3:
-            raise Killed
-        return original(self, epoch)
-
-    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", die_in_epoch_4)
-    with pytest.raises(Killed):
-        run(cfg, CPU)
+    killed_in_epoch(cfg, 4, monkeypatch)  # epoch 3 is logged, then lost: the checkpoint is of 2
     first = load_run(cfg.out / "metrics.jsonl")
     assert [e["epoch"] for e in first.epochs] == [1, 2, 3]
-    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", original)
     resumed = run(tiny(tmp_path, epochs=4, checkpoint_every=2, resume=True), CPU)
 
     whole = load_run(cfg.out / "metrics.jsonl")
