@@ -72,7 +72,7 @@ browser:
 
 gpu-test: $(SETUP)
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
 	TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
 
 execute: $(SETUP)
