@@ -35,6 +35,26 @@ def test_ch5e_peak_learning_rates_and_steps_at_a_large_batch(tmp_path):
     assert steps_per_run(50_000, 128, 10) == 3900 and steps_per_run(50_000, 1024, 10) == 480
 
 
+def test_ch5e_a_longer_warm_up_at_the_largest_batch(tmp_path):
+    import dataclasses
+
+    from tutorial_utils.experiment import train, with_batch
+    from tutorial_utils.train import TrainConfig
+    from tutorial_utils.trainer import lr_factor
+
+    base = TrainConfig(depth=10, width=1, epochs=6, data="synthetic", device="cpu", bf16=False,
+                       checkpoint_every=0, out=tmp_path / "r")
+    cfg = dataclasses.replace(with_batch(base, 1024, "linear"), warmup_epochs=5)
+    steps = 50_000 // 1024
+    # the rate climbs for five epochs instead of one, to the same linear-rule peak
+    assert lr_factor(cfg, steps - 1, steps) == pytest.approx(0.2)  # one epoch into five
+    assert lr_factor(cfg, 5 * steps, steps) == pytest.approx(1.0)  # the peak, then the decay
+    assert cfg.peak_lr(1) == pytest.approx(0.8)
+    small = dataclasses.replace(cfg, batch=256)  # the solution itself, small enough for a CPU
+    run = train(1, dataclasses.replace(small, epochs=2, warmup_epochs=1.5))
+    assert [e["epoch"] for e in run.epochs] == [1, 2] and run.start["peak_lr"] == 0.2
+
+
 def test_ch5_epoch_time_from_a_step_and_a_speedup_that_counts_compilation():
     from tutorial_utils.experiment import epoch_seconds, wall_clock_speedup
 
