@@ -1,16 +1,15 @@
-"""The scaling benchmark of chapter 5: a Wide-ResNet on one GPU and on N with DDP.
+"""The scaling benchmark of chapter 5b: a Wide-ResNet on one GPU and on N with DDP.
 
     python -m tutorial_utils.bench_scaling --gpus 2 4 --json runs/bench.json
 
 Strong scaling keeps the global batch (the Torch7 post split its 128 across the GPUs); weak
-scaling keeps the per-GPU batch. Each regime is measured in three modes: eager, with CUDA graphs
-of the network (``torch.compile(mode="reduce-overhead")``) and with the whole step as one CUDA
-graph ("step graph": :class:`~tutorial_utils.step_graph.StepGraph` around a step compiled with
-``torch.compile``'s default mode, all-reduces and optimizer included, SGD fused as in
-``train.py``), with DataParallel for comparison, and every speed-up is a ratio against the best
-single-GPU run of the same invocation at the same global (strong) or per-GPU (weak) batch. The
-prediction uses chapter 4's model: compute per GPU (the DDP step inside ``no_sync``) plus a ring
-all-reduce at the bus bandwidth measured in the same run.
+scaling keeps the per-GPU batch. Each regime runs eager, with CUDA graphs of the network
+(``torch.compile(mode="reduce-overhead")``) and as a "step graph" (the whole step, all-reduces
+and fused SGD included, as one CUDA graph: :class:`~tutorial_utils.step_graph.StepGraph`), with
+DataParallel for comparison. Every speed-up is against the best single-GPU run of the same
+invocation at the same global (strong) or per-GPU (weak) batch. The prediction is chapter 4's
+model: the DDP step inside ``no_sync`` plus a ring all-reduce at the bus bandwidth measured in
+the same run.
 """
 
 from __future__ import annotations
