@@ -23,7 +23,7 @@ endif
 NBVAL = $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env
 JB    = $(VENV)/bin/jupyter-book
 
-.PHONY: book serve test check-book browser gpu-test execute wheelhouse clean
+.PHONY: book serve test check-book browser gpu-test gpu-pytest gpu-notebooks execute wheelhouse clean
 
 # The rendered book's check (scripts/check_book.py): with Chromium it also screenshots every page.
 CHECK_BOOK = $(PY) scripts/check_book.py _build/html $$(command -v chromium >/dev/null \
@@ -70,9 +70,16 @@ browser:
 	    || echo "browser: apt-get could not install chromium; the book check runs with --no-browser"; \
 	else echo "browser: no chromium and not root; the book check runs with --no-browser"; fi
 
-gpu-test: $(SETUP)
+# `make gpu-test` is both halves; each can run alone (`gpu-pytest`, `gpu-notebooks`), for a
+# runner whose jobs have a time limit.
+gpu-test: gpu-pytest gpu-notebooks
+
+gpu-pytest: $(SETUP)
 	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
+
+gpu-notebooks: $(SETUP)
+	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
 	TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
 
 execute: $(SETUP)
