@@ -73,13 +73,15 @@ browser:
 # `make gpu-test` is both halves; each can run alone (`gpu-pytest`, `gpu-notebooks`), for a
 # runner whose jobs have a time limit.
 gpu-test: gpu-pytest gpu-notebooks
+NEED_GPU = $(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test \
+	needs a CUDA GPU; on a CPU machine run make test')"
 
 gpu-pytest: $(SETUP)
-	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
+	@$(NEED_GPU)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
 
 gpu-notebooks: $(SETUP)
-	@$(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test needs a CUDA GPU; on a CPU machine run make test')"
+	@$(NEED_GPU)
 	TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
 
 execute: $(SETUP)

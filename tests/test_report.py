@@ -4,10 +4,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from tutorial_utils.bench_one_gpu import (
-    measure_ladder,  # noqa: E402
-    plot_ladder,  # noqa: E402
-)
+from tutorial_utils.bench_one_gpu import measure_ladder, plot_ladder  # noqa: E402
 from tutorial_utils.report import legend_outside  # noqa: E402
 from tutorial_utils.workload import LADDER, LadderSize  # noqa: E402
 

@@ -21,8 +21,8 @@ from .models import wide_resnet
 from .parallel.collectives import AlphaBeta, bus_factor, fit_alpha_beta
 from .report import Column
 from .report import table as text_table
+from .workers.collectives_bench import COLLECTIVES
 
-COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "all_gather")
 RING = "ring_all_reduce"
 LABELS = {name: name.replace("_", "-") for name in COLLECTIVES} | {RING: "ring (by hand)"}
 GRADIENTS_OF = "wrn-28-10"

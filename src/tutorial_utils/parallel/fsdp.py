@@ -23,18 +23,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from ..memory import STAGES, bytes_per_param
 from ..models.wrn import BasicBlock, WideResNet
 from .distributed import DistContext
 
-# Bytes per parameter of (parameters, gradients, optimizer state). In mixed precision the
-# weights and gradients are 16-bit and the optimizer keeps an fp32 master copy of the weights
-# besides its own state: for Adam that is the paper's 2 + 2 + 12 = 16.
-STATE_BYTES = {
-    ("sgd", False): (4, 4, 4),  # momentum
-    ("adam", False): (4, 4, 8),  # two moments
-    ("sgd", True): (2, 2, 4 + 4),
-    ("adam", True): (2, 2, 4 + 8),
-}
 ZERO_STAGES = (  # stage, what it shards, how to get it in PyTorch
     (0, "nothing", "DistributedDataParallel"),
     (1, "optimizer state", "ZeroRedundancyOptimizer over DDP"),
@@ -45,16 +37,14 @@ ZERO_STAGES = (  # stage, what it shards, how to get it in PyTorch
 
 def zero_bytes_per_param(stage: int, optimizer: str = "adam", world_size: int = 1,
                          mixed_precision: bool = True) -> float:
-    """Bytes per parameter one GPU holds for weights, gradients and optimizer state."""
+    """Bytes per parameter one GPU holds for weights, gradients and optimizer state
+    (:func:`tutorial_utils.memory.bytes_per_param`, with the stage as a number)."""
     if stage not in (0, 1, 2, 3) or world_size < 1:
         raise ValueError(f"need a ZeRO stage 0..3 and world_size >= 1, got {stage}, {world_size}")
-    try:
-        params, grads, state = STATE_BYTES[optimizer.lower(), mixed_precision]
-    except KeyError:
-        raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}") from None
-    n = world_size
-    return params / (n if stage >= 3 else 1) + grads / (n if stage >= 2 else 1) \
-        + state / (n if stage >= 1 else 1)
+    if optimizer.lower() not in ("sgd", "adam"):
+        raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
+    return bytes_per_param(optimizer.lower(), "mixed" if mixed_precision else "fp32",
+                           STAGES[stage], world_size)
 
 
 def zero_table(world_size: int) -> list[dict]:

@@ -14,7 +14,6 @@ too (role "check"), to test the alpha-beta model's prediction for exactly that s
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from ..parallel.collectives import algbw_gbps, bus_factor, busbw_gbps, ring_all_reduce
 from ..parallel.ddp import measure_bus_bandwidth
 from ..parallel.distributed import DistContext, distributed
+from ..report import write_jsonl
 from ..timing import benchmark
 
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "all_gather")
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> None:
                              "need several processes")
         records = run(args, ctx)
         if ctx.is_main:
-            with open(args.out, "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in records)
+            write_jsonl(args.out, records)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..models import wide_resnet
 from ..parallel.distributed import DistContext, all_reduce_sum, distributed
 from ..parallel.fsdp import shard
+from ..report import write_jsonl
 from ..sharded_checkpoint import commit, latest_checkpoint, load_sharded, write_uncommitted
 
 KILL_ENV = "TUTORIAL_KILL_IN_SAVE"  # fault injection for the tests and the book, not a setting
@@ -119,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
                       "start_step": start, "steps": args.steps, "losses": losses}
             print(json.dumps(record), flush=True)
             if args.metrics:
-                with open(args.metrics, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                write_jsonl(args.metrics, [record])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 from ..parallel.ddp import BucketedAllReduce, all_reduce_gradients, ddp
 from ..parallel.distributed import DistContext, distributed
+from ..report import write_jsonl
 
 
 def small_net(batchnorm: bool = False) -> nn.Sequential:
@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     with distributed(args.device) as ctx:
         result = compare(ctx, args.batch, args.batchnorm or args.sync_bn, args.sync_bn)
         if ctx.is_main:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+            write_jsonl(args.out, [result])
 
 
 if __name__ == "__main__":

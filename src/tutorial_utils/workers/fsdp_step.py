@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import warnings
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from ..models import wide_resnet
 from ..parallel.ddp import ddp
 from ..parallel.distributed import DistContext, distributed
 from ..parallel.fsdp import compile_blocks_of, local_bytes, shard
+from ..report import write_jsonl
+from ..timeline import profile_steps
 from ..timing import benchmark, host_clock_without_sync, synchronize
-from .step_timing import profile_steps
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "zero3-blocks")
 
@@ -142,8 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             common = {"world_size": ctx.world_size, "device": str(dev), "model": args.model,
                       "per_gpu_batch": args.batch, **{k: getattr(args, k) for k in
                                                       ("units", "compile", "prefetch", "fit_gib")}}
-            with open(args.out, "a") as f:
-                f.writelines(json.dumps(common | r) + "\n" for r in records)
+            write_jsonl(args.out, [common | r for r in records])
 
 
 if __name__ == "__main__":

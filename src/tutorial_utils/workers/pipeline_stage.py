@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ from ..parallel.pipeline import (
     small_net,
     train_step,
 )
+from ..report import write_jsonl
 from ..timing import benchmark
 
 SAMPLE = (3, 32, 32)  # CIFAR-shaped images
@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> None:
             record["step_ms"] = benchmark(lambda: train_step(schedule, stage, x, y), warmup=2,
                                           repeats=args.repeats, device=ctx.device).median_ms
         if ctx.is_main:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            write_jsonl(args.out, [record])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from ..models import wide_resnet
 from ..parallel.ddp import compile_for_ddp, ddp, measure_bus_bandwidth
 from ..parallel.distributed import DistContext, distributed
+from ..report import write_jsonl
 from ..step_graph import StepGraph
 from ..timeline import profile_steps
 from ..timing import benchmark, host_clock_without_sync, synchronize
@@ -75,8 +75,7 @@ def run(args: argparse.Namespace, measure_fn) -> None:
                 StepGraph(ctx.device, args.capture) as local_graph:
             record = measure_fn(args, ctx, graph, local_graph)
         if ctx.is_main:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            write_jsonl(args.out, [record])
 
 
 def measure(args: argparse.Namespace, ctx: DistContext, graph: StepGraph,
