@@ -1,0 +1,49 @@
+"""Chapter 5's stored 200-epoch run: one whole run of the command its page prints."""
+
+import json
+import math
+import re
+import shlex
+from itertools import pairwise
+from pathlib import Path
+
+from tutorial_utils.config import parse, to_dict
+from tutorial_utils.experiment import load_run
+from tutorial_utils.train import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+METRICS = ROOT / "book/data/wrn-28-10-200ep/metrics.jsonl"
+CHAPTER = ROOT / "notebooks/05_wrn_experiment.ipynb"
+RECIPE = ("depth", "width", "dropout", "epochs", "batch", "scaling", "lr", "schedule",
+          "warmup_epochs", "weight_decay", "label_smoothing", "crop_pad", "tta", "bf16",
+          "compile", "step_graph", "loader", "checkpoint_every", "seed")
+
+
+def printed_command() -> TrainConfig:
+    """The configuration of the full-recipe command in the chapter's bash block."""
+    cells = json.loads(CHAPTER.read_text())["cells"]
+    text = next("".join(c["source"]) for c in cells
+                if c["cell_type"] == "markdown" and "## The full recipe" in "".join(c["source"]))
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1).replace("\\\n", " ")
+    argv = shlex.split(block)
+    return parse(TrainConfig, argv[argv.index("tutorial_utils.train") + 1:], "train", "")
+
+
+def test_the_stored_run_is_the_printed_command():
+    run, printed = load_run(METRICS), to_dict(printed_command())
+    for start in [run.start, *run.resumes]:  # every job ran the same recipe
+        assert {k: start["config"][k] for k in RECIPE} == {k: printed[k] for k in RECIPE}
+    assert run.start["data"].startswith("CIFAR-10") and not run.start["synthetic_data"]
+    assert run.start["stamp"]["gpu_count"] >= 1  # made on a GPU, not a CPU smoke run
+
+
+def test_the_jobs_add_up_to_one_whole_run():
+    run = load_run(METRICS)
+    assert [e["epoch"] for e in run.epochs] == list(range(1, 201))  # no gap, no repeat
+    assert run.resumes, "stored as one job: the resume path was not used"
+    for start in run.resumes:  # each job resumed from a checkpoint (every 5 epochs)
+        assert start["start_epoch"] % start["config"]["checkpoint_every"] == 0
+    # the training clock carried over the resumes: it is the sum of the epochs' times
+    assert math.isclose(run.epochs[-1]["train_time_s"], run.train_s, rel_tol=1e-9)
+    drops = [b["epoch"] for a, b in pairwise(run.epochs) if b["lr"] < a["lr"]]
+    assert drops == [60, 120, 160]  # the paper's step schedule
