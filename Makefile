@@ -71,14 +71,15 @@ browser:
 	else echo "browser: no chromium and not root; the book check runs with --no-browser"; fi
 
 # `make gpu-test` is both halves; each can run alone (`gpu-pytest`, `gpu-notebooks`), for a
-# runner whose jobs have a time limit.
+# runner whose jobs have a time limit, and `gpu-pytest PART=1/2` (then 2/2) runs half the test
+# files: on one H200 the whole suite outlasts a ten-minute job.
 gpu-test: gpu-pytest gpu-notebooks
 NEED_GPU = $(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test \
 	needs a CUDA GPU; on a CPU machine run make test')"
 
 gpu-pytest: $(SETUP)
 	@$(NEED_GPU)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 $(if $(PART),--part=$(PART)) tests
 
 gpu-notebooks: $(SETUP)
 	@$(NEED_GPU)
