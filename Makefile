@@ -23,10 +23,11 @@ endif
 NBVAL = $(PY) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env
 JB    = $(VENV)/bin/jupyter-book
 
-.PHONY: book serve test check-book browser gpu-test gpu-pytest gpu-notebooks execute wheelhouse clean
+.PHONY: book serve test check-book browser gpu-test gpu-pytest gpu-notebooks execute records \
+	wheelhouse clean
 
-# The rendered book's check (scripts/check_book.py): with Chromium it also screenshots every page.
-CHECK_BOOK = $(PY) scripts/check_book.py _build/html $$(command -v chromium >/dev/null \
+# The rendered book's check (tools/check_book.py): with Chromium it also screenshots every page.
+CHECK_BOOK = $(PY) tools/check_book.py _build/html $$(command -v chromium >/dev/null \
 	  && echo --screenshots _build/screenshots || echo --no-browser)
 
 $(VENV)/.installed: requirements.txt pyproject.toml
@@ -48,10 +49,10 @@ serve: book
 	$(PY) -m http.server --directory _build/html 8000
 
 test: $(VENV)/.installed browser
-	$(PY) -m ruff check src tests scripts lab
-	$(PY) -m pytest -q tests lab/tests
+	$(PY) -m ruff check src tests tools
+	$(PY) -m pytest -q tests
 	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
-	$(PY) -m tutorial_utils.nbtools check $(NB)
+	$(PY) tools/nbtools.py check $(NB)
 	$(JB) build . --all --warningiserror --keep-going
 	$(CHECK_BOOK)
 
@@ -70,23 +71,44 @@ browser:
 	    || echo "browser: apt-get could not install chromium; the book check runs with --no-browser"; \
 	else echo "browser: no chromium and not root; the book check runs with --no-browser"; fi
 
-# `make gpu-test` is both halves; each can run alone (`gpu-pytest`, `gpu-notebooks`), for a
-# runner whose jobs have a time limit, and `gpu-pytest PART=1/2` (then 2/2) runs half the test
-# files: on one H200 the whole suite outlasts a ten-minute job.
+# `make gpu-test` runs what only a GPU can check, in two halves that can also run alone: the
+# tests marked gpu or multigpu (`gpu-pytest`; the rest of the suite runs in `make test`), and
+# every notebook on the GPU (`gpu-notebooks`).
 gpu-test: gpu-pytest gpu-notebooks
-NEED_GPU = $(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make gpu-test \
+NEED_GPU = $(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make $@ \
 	needs a CUDA GPU; on a CPU machine run make test')"
 
 gpu-pytest: $(SETUP)
 	@$(NEED_GPU)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 $(if $(PART),--part=$(PART)) tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "gpu or multigpu" tests
 
 gpu-notebooks: $(SETUP)
 	@$(NEED_GPU)
 	TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
 
 execute: $(SETUP)
-	$(PY) -m tutorial_utils.nbtools execute $(if $(FORCE),--force) $(NB)
+	$(PY) tools/nbtools.py execute $(if $(FORCE),--force) $(NB)
+
+# The measurements a one-GPU machine cannot make, or not within a chapter's time: one command
+# per chapter writes its record under book/data (`make records RECORDS="05b 06"` for some).
+# Chapters 3, 3b, 4, 5, 5b and 6 need GPUS GPUs; 5d and 5e train on one GPU for longer.
+GPUS    ?= 2
+RECORDS ?= 03 03b 04 05 05b 06 05d 05e
+REC_03  = tutorial_utils.bench.model_parallel --devices $(GPUS) --schedules
+REC_03b = tutorial_utils.bench.collectives --nproc $(GPUS)
+REC_04  = tutorial_utils.bench.data_parallel --gpus $(GPUS)
+REC_05  = tutorial_utils.bench.experiment --plan 05 --gpus $(GPUS) --data $(DATA)
+REC_05b = tutorial_utils.bench.scaling --gpus $(GPUS)
+REC_06  = tutorial_utils.bench.sharding --nproc $(GPUS)
+REC_05d = tutorial_utils.bench.experiment --plan 05d --data $(DATA)
+REC_05e = tutorial_utils.bench.experiment --plan 05e --data $(DATA)
+DATA    ?= $(or $(TUTORIAL_CIFAR10),auto)
+records: $(SETUP)
+	@$(NEED_GPU)
+	@for c in $(RECORDS); do case $$c in 03|03b|04|05|05b|06|05d|05e) ;; *) \
+	  echo "make records: no chapter $$c has a record; use some of: 03 03b 04 05 05b 06 05d 05e"; \
+	  exit 2;; esac; done
+	$(foreach c,$(RECORDS),$(PY) -m $(REC_$(c)) --record &&) true
 
 wheelhouse:
 	$(PYTHON) -m pip download -q --only-binary=:all: --python-version $(WHEELHOUSE_PYTHON) \

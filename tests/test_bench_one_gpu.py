@@ -1,14 +1,15 @@
 import torch
 
-from tutorial_utils.bench_one_gpu import (
+from tutorial_utils.bench.one_gpu import (
     host_to_device_gbps,
     ladder_table,
     measure_ladder,
     step_tflop,
 )
-from tutorial_utils.workload import LADDER, LadderSize, make_train_step, tf32_enabled
+from tutorial_utils.bench.workload import LADDER, Workload, make_train_step
+from tutorial_utils.timing import tf32_enabled
 
-TINY = LadderSize("wrn-10-1", batch=2, warmup=0, repeats=1)
+TINY = Workload("wrn-10-1", batch=2, warmup=0, repeats=1)
 CPU = torch.device("cpu")
 
 
@@ -22,10 +23,8 @@ def test_tf32_context_restores_settings():
 def test_train_step_trains():
     step = make_train_step(LADDER[3], TINY, CPU)  # bf16 autocast + channels_last
     assert step.x.is_contiguous(memory_format=torch.channels_last)
-    before = step.loss()
-    for _ in range(3):
-        step()
-    assert step.loss() < before
+    losses = [float(step()) for _ in range(4)]  # the loss of each step, before its update
+    assert losses[-1] < losses[0]
 
 
 def test_ladder_on_cpu_measures_all_but_the_gpu_only_rung():
@@ -46,8 +45,8 @@ def test_cuda_graph_rung_is_gpu_only_and_says_why():
 
 
 def test_flop_count_scales_with_batch():
-    one = step_tflop(LadderSize("wrn-10-1", 1, 0, 1), CPU)
-    four = step_tflop(LadderSize("wrn-10-1", 4, 0, 1), CPU)
+    one = step_tflop(Workload("wrn-10-1", 1, 0, 1), CPU)
+    four = step_tflop(Workload("wrn-10-1", 4, 0, 1), CPU)
     assert one > 0 and abs(four / one - 4) < 0.01
 
 

@@ -1,4 +1,4 @@
-"""scripts/check_book.py on a tiny hand-written book: a clean page passes, each fault is named."""
+"""tools/check_book.py on a tiny hand-written book: a clean page passes, each fault is named."""
 
 import importlib.util
 import shutil
@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("check_book", ROOT / "scripts" / "check_book.py")
+spec = importlib.util.spec_from_file_location("check_book", ROOT / "tools" / "check_book.py")
 check_book = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(check_book)
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
-GOOD = """<html><head><script src="https://cdn.example/mathjax/tex.js"></script></head><body>
+GOOD = """<html><head><script src="_static/mathjax/tex-chtml.js"></script></head><body>
 <article class="bd-article"><section id="top"><h1>Chapter</h1>
 <p>Inline <span class="math notranslate nohighlight">\\(x^2\\)</span>, costs in <code>$HOME</code>;
 see <a class="reference internal" href="#fig-a">Fig. 1</a> and
@@ -28,6 +28,8 @@ def write_book(tmp_path: Path, page: str) -> Path:
     (html / "_images").mkdir(parents=True)
     (html / "_images" / "a.png").write_bytes(PNG)
     (html / "_images" / "broken.png").write_bytes(b"not a png")
+    (html / "_static" / "mathjax").mkdir(parents=True)
+    (html / "_static" / "mathjax" / "tex-chtml.js").write_text("// MathJax, served with the book")
     (html / "index.html").write_text(page)
     (html / "other.html").write_text('<html><body><p id="sec">other</p></body></html>')
     (tmp_path / "_toc.yml").write_text("format: jb-book\nroot: index\nchapters:\n"
@@ -59,6 +61,9 @@ def test_a_clean_book_passes(tmp_path, capsys):
     ("loss 0.25", "Traceback (most recent call last):", "stored output shows"),
     ("loss 0.25", "c10d::ProcessGroupNCCL::Watchdog::runLoop() + 0x17b1", "stored output shows"),
     ("Inline <span", "Inline $a + b$ and <span", "unrendered maths '$a + b$'"),
+    ('src="_static/mathjax/tex-chtml.js"', 'src="https://cdn.example/mathjax/tex.js"',
+     "MathJax comes from cdn.example, not with the book"),
+    ('<script src="_static/mathjax/tex-chtml.js"></script>', "", "no MathJax script"),
 ])
 def test_each_fault_is_reported(tmp_path, capsys, old, new, problem):
     assert old in GOOD

@@ -5,18 +5,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tutorial_utils import bench_collectives as bench
-from tutorial_utils.launch import read_metrics, torchrun
+from tutorial_utils.bench import collectives as bench
+from tutorial_utils.config import ConfigError
+from tutorial_utils.jsonl import read_jsonl
+from tutorial_utils.launch import torchrun
 from tutorial_utils.parallel.collectives import (
     AlphaBeta,
     algbw_gbps,
-    bucket_for_efficiency,
     bus_factor,
     busbw_gbps,
-    busiest_rank_bytes,
     fit_alpha_beta,
-    rescale_ring,
 )
+from tutorial_utils.solutions.ch03b import bucket_for_efficiency, busiest_rank_bytes, rescale_ring
 
 WORKERS = Path(__file__).parent / "workers"
 SIZES = [4096, 65536]  # bytes: two sizes, so every collective gets a fit
@@ -28,15 +28,15 @@ def hand_written(tmp_path_factory):
     out = tmp_path_factory.mktemp("check") / "check.jsonl"
     torchrun(str(WORKERS / "collectives_check.py"), [str(out)], nproc=2, timeout_s=120,
              echo=False)
-    return read_metrics(out)
+    return read_jsonl(out)
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     """One 2-process gloo run of the benchmark worker at two small sizes."""
-    out = tmp_path_factory.mktemp("bench") / "collectives.jsonl"
-    return bench.run(2, "cpu", SIZES, ring_sizes=SIZES[:1], check_bytes=8192, warmup=1,
-                     repeats=2, out=out, timeout_s=120)
+    cfg = bench.CollectivesConfig(nproc=2, device="cpu", max_mb=SIZES[-1] / 2**20, factor=16,
+                                  gradients_of="wrn-10-1", warmup=1, repeats=2)
+    return bench.run(cfg, timeout_s=120)
 
 
 @pytest.mark.parametrize("algorithm", ["ring_all_reduce", "root_all_reduce"])
@@ -50,7 +50,7 @@ def test_hand_written_all_reduce_equals_dist_all_reduce(hand_written, algorithm)
 def test_worker_writes_every_collective_and_size(records):
     swept = {(r["collective"], r["nbytes"]) for r in records if r["role"] == "sweep"}
     assert swept == {(c, n) for c in bench.COLLECTIVES for n in SIZES} | {
-        (bench.RING, SIZES[0])}
+        (bench.RING, n) for n in SIZES}  # every fourth size and the largest
     for r in records:
         assert r["world_size"] == 2 and r["backend"] == "gloo"
         if r["role"] in ("sweep", "check"):
@@ -58,7 +58,17 @@ def test_worker_writes_every_collective_and_size(records):
     (equal,) = [r for r in records if r["role"] == "equal"]
     assert equal["max_diff"] == 0
     (check,) = [r for r in records if r["role"] == "check"]
-    assert check["collective"] == "all_reduce" and check["nbytes"] == 8192
+    assert check["collective"] == "all_reduce"
+    assert check["nbytes"] == bench.gradient_bytes("wrn-10-1")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"nproc": 1}, "collectives need several processes"), ({"max_mb": -5}, "--max-mb"),
+    ({"factor": 1}, "--factor"), ({"repeats": 0}, "--repeats"),
+    ({"gradients_of": "resnet50"}, "--gradients-of")])
+def test_bad_settings_are_one_line_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        bench.CollectivesConfig(**kwargs)
 
 
 def synthetic_records(alpha=10e-6, beta=100e9, sizes=(4096, 2**20, 2**26), check=2**25):
@@ -120,10 +130,21 @@ def test_alpha_beta_fit_recovers_known_alpha_and_beta():
 
 def test_alpha_beta_fit_never_returns_a_negative_latency():
     sizes = np.array([1e3, 1e6, 1e8])
-    model = fit_alpha_beta(sizes, sizes / 1e9 - 1e-6)  # the line's intercept is below zero
-    assert model.alpha_s == 0 and model.beta == pytest.approx(1e9, rel=1e-3)
+    model = fit_alpha_beta(sizes, sizes / 1e9 - 1e-7)  # the line's intercept is below zero
+    assert model.alpha_s == 0 and model.beta == pytest.approx(1e9, rel=0.1)
     with pytest.raises(ValueError):
         fit_alpha_beta([1e3], [1e-5])
+
+
+def test_the_fit_weighs_relative_errors_so_the_small_messages_set_alpha():
+    # large messages that bend away from the line (as memory-bound CPU processes do) would
+    # pull an absolute least-squares line's intercept below zero; alpha comes from the small
+    sizes = np.geomspace(4096, 16 * 2**20, 13)
+    times = 30e-6 + sizes / 2e9 * np.where(sizes > 2**22, 1.6, 1.0)
+    model = fit_alpha_beta(sizes, times)
+    assert model.alpha_s == pytest.approx(30e-6, rel=0.25)
+    worst = max(abs(model.predict_s(n) / t - 1) for n, t in zip(sizes, times, strict=True))
+    assert worst < 0.5
 
 
 def test_exercise_solutions():

@@ -2,10 +2,11 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_utils.bench_data_parallel import Row, table
+from tutorial_utils.bench.data_parallel import Row, table_of
 from tutorial_utils.devices import default_device
+from tutorial_utils.parallel.collectives import ring_all_reduce_seconds
 from tutorial_utils.parallel.data_parallel import data_parallel_forward, make_data_parallel
-from tutorial_utils.parallel.ddp import compile_for_ddp, ring_all_reduce_seconds
+from tutorial_utils.parallel.ddp import compile_for_ddp
 from tutorial_utils.parallel.distributed import DistContext
 
 
@@ -24,7 +25,7 @@ def test_one_gpu_or_none_means_no_wrapper():
 
 def test_table_marks_skipped_runs():
     rows = [Row("1 GPU", 1, 10.0, 100.0, 1.0), Row("DataParallel", 2, None, note="skipped: x")]
-    text = table(rows)
+    text = table_of(rows)
     assert "1.00x" in text and "skipped: x" in text
 
 
@@ -57,5 +58,5 @@ def test_cuda_graphs_under_ddp_compile_the_network_as_one_graph():
 def test_table_columns_line_up_with_long_names():
     rows = [Row("1 GPU", 1, 10.0, 100.0, 1.0),
             Row("DDP, CUDA graphs, no_sync (compute only)", 2, 6.0, 333.0, 1.67)]
-    head, *lines = table(rows).splitlines()
+    head, *lines = table_of(rows).splitlines()
     assert len({len(head), *map(len, lines)}) == 1

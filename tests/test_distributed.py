@@ -32,6 +32,31 @@ def test_two_process_training_run(tmp_path):
     assert (out / "checkpoint.pt").exists()
 
 
+def _ddp_script(tmp_path, nproc: int) -> dict:
+    """Chapter 4's complete DDP script, run as the chapter runs it; rank 0's JSON line."""
+    import json
+
+    result = torchrun("tutorial_utils.workers.ddp_minimal", ["--out", str(tmp_path / "ddp")],
+                      nproc=nproc, timeout_s=300, echo=False)
+    line = next(x for x in result.output.splitlines() if '"world_size"' in x)
+    return json.loads(line[line.index("{"):])
+
+
+def test_the_complete_ddp_script_trains_on_two_cpu_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # whatever the machine has
+    record = _ddp_script(tmp_path, 2)
+    assert (record["world_size"], record["device"]) == (2, "cpu")
+    assert len(record["losses"]) == 2 and all(0 < v < 10 for v in record["losses"])
+    assert torch.load(tmp_path / "ddp" / "checkpoint.pt", weights_only=True)["epoch"] == 1
+
+
+@pytest.mark.gpu
+def test_the_complete_ddp_script_with_more_processes_than_gpus_runs_on_the_cpu(tmp_path):
+    # one GPU per process, or none: with one GPU, two processes would both ask for GPU 1 too
+    record = _ddp_script(tmp_path, torch.cuda.device_count() + 1)
+    assert record["device"] == "cpu"
+
+
 @pytest.mark.multigpu
 def test_two_gpu_nccl_training_run(tmp_path):
     out = tmp_path / "run"

@@ -7,7 +7,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from tutorial_utils.experiment import (  # noqa: E402
+from tutorial_utils.bench.experiment import (  # noqa: E402
     plan,
     plot_curves,
     runs_table,
@@ -44,7 +44,7 @@ def test_training_runs_are_launched_read_back_and_compared(tmp_path):
 
 
 def run_of(accs, epoch_s=10.0):
-    from tutorial_utils.experiment import TrainingRun
+    from tutorial_utils.bench.experiment import TrainingRun
 
     epochs = [{"epoch": i + 1, "test_acc": a, "epoch_time_s": epoch_s,
                "train_time_s": epoch_s * (i + 1)} for i, a in enumerate(accs)]
@@ -72,12 +72,13 @@ def test_larger_batches_scale_the_learning_rate_by_rule(tmp_path):
 def test_plan_on_each_kind_of_machine():
     assert plan(0, "full").counts == [1, 2] and plan(0, "full").profile == "smoke"
     one = plan(1, "full")
-    assert (one.device, one.counts, one.profile) == ("cuda", [1], "full") and "2 GPUs" in one.note
+    assert (one.device, one.counts, one.profile) == ("cuda", [1], "full")
+    assert "two-GPU run" in one.note
     assert plan(4, "full").counts == [1, 2, 4]
 
 
 def test_a_run_in_several_attempts_counts_every_compilation():
-    from tutorial_utils.experiment import TrainingRun
+    from tutorial_utils.bench.experiment import TrainingRun
 
     records = [{"event": "start", "world_size": 1, "compile_warmup_s": 30.0, "start_epoch": 0},
                {"event": "epoch", "epoch": 1, "epoch_time_s": 4.0, "test_acc": 0.5},

@@ -10,48 +10,23 @@ import shutil
 import pytest
 import torch
 
+from tutorial_utils.bench.workers import fsdp_step
+from tutorial_utils.config import ConfigError
 from tutorial_utils.launch import torchrun
 from tutorial_utils.models import wide_resnet
 from tutorial_utils.parallel.distributed import DistContext
-from tutorial_utils.parallel.fsdp import wrn_units, zero_bytes_per_param, zero_table
+from tutorial_utils.parallel.fsdp import wrn_units
 from tutorial_utils.sharded_checkpoint import commit, latest_checkpoint
-from tutorial_utils.workers import fsdp_step
 from tutorial_utils.workers.dcp_resume import KILL_ENV
 
 SHARDED = ("zero2", "zero3", "zero3-blocks")
-
-
-def test_zero_bytes_per_param_match_the_paper():
-    # Rajbhandari et al. (2020), mixed-precision Adam: 2 + 2 + 12 bytes per parameter.
-    for n in (1, 2, 8, 64):
-        assert zero_bytes_per_param(0, "adam", n) == 16
-        assert zero_bytes_per_param(1, "adam", n) == pytest.approx(4 + 12 / n)
-        assert zero_bytes_per_param(2, "adam", n) == pytest.approx(2 + 14 / n)
-        assert zero_bytes_per_param(3, "adam", n) == pytest.approx(16 / n)
-    # The paper's Figure 1: 7.5 B parameters on 64 GPUs, in GB per GPU.
-    per_gpu = [zero_bytes_per_param(s, "adam", 64) * 7.5 for s in range(4)]
-    assert per_gpu == pytest.approx([120, 31.4, 16.6, 1.88], rel=0.01)
-
-
-def test_zero_bytes_in_fp32_and_for_sgd():
-    assert zero_bytes_per_param(0, "sgd", 2, mixed_precision=False) == 12  # w, grad, momentum
-    assert zero_bytes_per_param(3, "sgd", 2, mixed_precision=False) == 6
-    assert zero_bytes_per_param(1, "adam", 4, mixed_precision=False) == 4 + 4 + 8 / 4
-    assert zero_bytes_per_param(2, "sgd", 2, mixed_precision=True) == 2 + (2 + 8) / 2
-    with pytest.raises(ValueError, match="ZeRO stage"):
-        zero_bytes_per_param(4)
-    with pytest.raises(ValueError, match="'sgd' or 'adam'"):
-        zero_bytes_per_param(1, "lamb")
-    rows = zero_table(world_size=2)
-    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
-    assert rows[3]["pytorch"] == "fully_shard()" and rows[0]["adam mixed"] == 16
 
 
 @pytest.fixture(scope="module")
 def modes(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "fsdp.jsonl"
     # wrn-16-1: two blocks per group, so a unit per group (3) differs from one per block (6).
-    result = torchrun("tutorial_utils.workers.fsdp_step",
+    result = torchrun("tutorial_utils.bench.workers.fsdp_step",
                       ["--model", "wrn-16-1", "--batch", "8", "--device", "cpu", "--out", str(out)],
                       nproc=2, timeout_s=180, metrics_file=out, echo=False)
     return {r["mode"]: r for r in result.metrics}
@@ -85,9 +60,8 @@ def test_gpu_only_options_skip_clearly_on_cpu(tmp_path, capsys):
     assert "skipped: --compile and --fit-gib need CUDA GPUs" in capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["skipped"] for r in records] == ["needs CUDA GPUs"] * 2
-    with pytest.raises(SystemExit):  # a failed attempt could leave memory to the next mode
-        fsdp_step.parse_args(["--fit-gib", "3", "--modes", "ddp", "zero3", "--out", "x"])
-    assert "one mode per job" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="one mode per job"):  # a failed attempt could
+        fsdp_step.FsdpStepConfig(fit_gib=3, modes=("ddp", "zero3"))  # leave memory behind
 
 
 def test_fsdp_units_of_a_wrn():
@@ -188,7 +162,7 @@ def test_loading_ignores_uncommitted_folders(tmp_path):
 @pytest.mark.multigpu
 def test_fsdp_modes_on_gpus(tmp_path):
     out = tmp_path / "fsdp.jsonl"
-    result = torchrun("tutorial_utils.workers.fsdp_step",
+    result = torchrun("tutorial_utils.bench.workers.fsdp_step",
                       ["--model", "wrn-16-4", "--batch", "64", "--device", "cuda", "--repeats", "5",
                        "--compile", "--prefetch", "--out", str(out)],
                       nproc=2, timeout_s=600, metrics_file=out, echo=False)
@@ -208,7 +182,7 @@ def test_sharding_lets_a_model_train_that_ddp_cannot_under_a_memory_cap(tmp_path
     fits = {}
     for mode in ("ddp", "zero3-blocks"):
         out = tmp_path / f"{mode}.jsonl"
-        (record,) = torchrun("tutorial_utils.workers.fsdp_step",
+        (record,) = torchrun("tutorial_utils.bench.workers.fsdp_step",
                              ["--model", "wrn-40-20", "--batch", "8", "--fit-gib", "3",
                               "--modes", mode, "--device", "cuda", "--out", str(out)],
                              nproc=2, timeout_s=600, metrics_file=out, echo=False).metrics

@@ -7,8 +7,8 @@ import shlex
 from itertools import pairwise
 from pathlib import Path
 
+from tutorial_utils.bench.experiment import load_run
 from tutorial_utils.config import parse, to_dict
-from tutorial_utils.experiment import load_run
 from tutorial_utils.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_utils import bench_memory as bm
+from tutorial_utils.bench import memory as bm
 from tutorial_utils.memory import (
     Breakdown,
     breakdown,
@@ -16,7 +16,7 @@ from tutorial_utils.memory import (
     zero_table,
 )
 from tutorial_utils.models import wide_resnet
-from tutorial_utils.solutions.memory import CheckpointedOnce, adam_breakdown, gpus_needed
+from tutorial_utils.solutions.ch05c import CheckpointedOnce, adam_breakdown, gpus_needed
 
 matplotlib.use("Agg")
 

@@ -12,7 +12,6 @@ from tutorial_utils.parallel.model_parallel import (
     PipelinedModelParallel,
     balanced_boundaries,
     bubble_fraction,
-    predicted_pipeline_ms,
 )
 
 CPU2 = [torch.device("cpu")] * 2
@@ -76,9 +75,6 @@ def test_bubble_model():
     assert bubble_fraction(2, 1) == pytest.approx(0.5)
     assert bubble_fraction(2, 8) == pytest.approx(1 / 9)
     assert bubble_fraction(1, 4) == 0
-    # Two equal stages of 10 ms: naive 20 ms; 4 micro-batches, 5 ticks of 2.5 ms -> 12.5 ms.
-    assert predicted_pipeline_ms(10, 2, 4) == pytest.approx(12.5)
-    assert predicted_pipeline_ms(10, 2, 4, overhead_ms=0.5) == pytest.approx(15.0)
 
 
 @pytest.mark.multigpu
@@ -151,14 +147,28 @@ def test_a_stage_materialises_only_its_layers_with_the_reference_weights(n_stage
 
 
 def test_pipeline_benchmark_runs_and_predicts_every_m():
-    from tutorial_utils.bench_model_parallel import run as bench
-    from tutorial_utils.bench_model_parallel import table
+    from tutorial_utils.bench import model_parallel as mp
 
-    rows, devices = bench("wrn-10-1", batch=8, micro_batches=[1, 2], repeats=1)
+    cfg = mp.ModelParallelConfig(model="wrn-10-1", batch=8, micro_batches=(1, 2), repeats=1)
+    rows, devices = mp.run(cfg)
     assert [r.name for r in rows][:2] == ["1 device", "naive split, 2 devices"]
     assert [r.micro_batches for r in rows[2:]] == [1, 2]
     assert all(r.measured_ms > 0 and r.predicted_ms > 0 for r in rows[2:])
-    assert "bubble" in table(rows, 2) and len(devices) == 2
+    assert "bubble" in mp.table_of(rows, 2) and len(devices) == 2
+    assert mp.from_rows(mp.rows_of(rows, {})) == (rows, {})  # what a record keeps, and reads
+    assert mp.summary(rows)["best_m"] in (1, 2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch": 8, "micro_batches": (16,)}, "every m must be in 1..--batch"),
+    ({"micro_batches": ()}, "at least one m"), ({"micro_batches": (0,)}, "every m"),
+    ({"devices": 0}, "--devices"), ({"repeats": 0}, "--repeats"), ({"model": "x"}, "--model")])
+def test_bad_benchmark_settings_are_one_line_errors(kwargs, message):
+    from tutorial_utils.bench.model_parallel import ModelParallelConfig
+    from tutorial_utils.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        ModelParallelConfig(**kwargs)
 
 
 @pytest.mark.multigpu

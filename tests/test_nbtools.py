@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 import nbformat
+import nbtools  # tools/, on the path from conftest.py
+import pending
 import pytest
+from nbtools import RefusedError, check_notebook, execute_notebook, mark_pending
 
 import tutorial_utils
-from tutorial_utils import launch, nbtools, pending
-from tutorial_utils.nbtools import RefusedError, check_notebook, execute_notebook, mark_pending
 
-PACKAGE = Path(nbtools.__file__).resolve().parent
+PACKAGE = Path(tutorial_utils.__file__).resolve().parent
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ def test_cli_exit_codes(notebook, package_copy, capsys):
 # runs `torchrun -m tutorial_utils.train`: the kernel itself never imports it.
 _LAUNCHING_CELL = """\
 import os, subprocess, sys
-env = {**os.environ, "PYTHONPATH": %r}
+env = {**os.environ, "PYTHONPATH": os.pathsep.join([%r, os.environ["PYTHONPATH"]])}
 print(subprocess.run([sys.executable, "-m", "tutorial_utils.worker_demo"], env=env,
                      check=True, capture_output=True, text=True).stdout)
 """
@@ -148,31 +149,38 @@ def test_modules_of_launched_processes_are_checked_too(tmp_path, package_copy):
     assert finding.problem == "code cells changed since its outputs were made"
 
 
+def _with_logger(log=None):
+    env = {k: v for k, v in os.environ.items() if k != nbtools.MODULE_LOG_VAR}
+    env["PYTHONPATH"] = os.pathsep.join([str(nbtools.MODLOG), env.get("PYTHONPATH", "")])
+    return env | ({nbtools.MODULE_LOG_VAR: str(log)} if log else {})
+
+
 def test_the_module_log_is_written_only_when_asked(tmp_path):
     log = tmp_path / "modules.jsonl"
-    run = [sys.executable, "-c", "import tutorial_utils"]
-    subprocess.run(run, check=True, env={k: v for k, v in os.environ.items()
-                                         if k != nbtools.MODULE_LOG_VAR})
+    run = [sys.executable, "-c", "import tutorial_utils.toy"]
+    subprocess.run(run, check=True, env=_with_logger())
     assert not log.exists()
     for _ in range(2):  # appended, as by several workers
-        subprocess.run(run, check=True, env={**os.environ, nbtools.MODULE_LOG_VAR: str(log)})
+        subprocess.run(run, check=True, env=_with_logger(log))
     with open(log, "a") as f:
         f.write('["tutorial_utils.cut_sh')  # a writer killed mid-line
-    assert log.read_text().splitlines()[:2] == ['["tutorial_utils"]'] * 2
-    assert nbtools.logged_modules(log) == {"tutorial_utils"}
+    lines = log.read_text().splitlines()
+    assert len(lines) == 5 and set(lines[:2]) == {'["tutorial_utils"]', '["tutorial_utils.toy"]'}
+    assert nbtools.logged_modules(log) == {"tutorial_utils", "tutorial_utils.toy"}
 
 
-def test_torchrun_logs_its_target_before_the_workers_start(tmp_path, monkeypatch):
+def test_a_process_killed_by_a_signal_has_logged_what_it_ran(tmp_path):
+    # the program named after -m (runpy runs it without an import event), and its imports
     log = tmp_path / "modules.jsonl"
-    monkeypatch.setattr(tutorial_utils, "_MODULE_LOG", str(log))
-
-    def no_launch(*args, **kwargs):
-        raise OSError("not launched in this test")
-
-    monkeypatch.setattr(launch.subprocess, "Popen", no_launch)
-    with pytest.raises(OSError):
-        launch.torchrun("tutorial_utils.parallel.hang_demo")
-    assert nbtools.logged_modules(log) == {"tutorial_utils.parallel.hang_demo"}
+    crash = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    subprocess.run([sys.executable, "-c", "import tutorial_utils.profiles; " + crash],
+                   env=_with_logger(log))
+    assert nbtools.logged_modules(log) == {"tutorial_utils", "tutorial_utils.profiles"}
+    log.unlink()
+    done = subprocess.run([sys.executable, "-m", "tutorial_utils.workers.hang_demo", "--help"],
+                          env=_with_logger(log), capture_output=True)
+    assert done.returncode == 0
+    assert "tutorial_utils.workers.hang_demo" in nbtools.logged_modules(log)
 
 
 # --- the pending notice -----------------------------------------------------------------

@@ -4,9 +4,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
-from tutorial_utils.bench_one_gpu import measure_ladder, plot_ladder  # noqa: E402
-from tutorial_utils.report import legend_outside  # noqa: E402
-from tutorial_utils.workload import LADDER, LadderSize  # noqa: E402
+from tutorial_utils.bench.one_gpu import measure_ladder, plot_ladder  # noqa: E402
+from tutorial_utils.bench.report import legend_outside  # noqa: E402
+from tutorial_utils.bench.workload import LADDER, Workload  # noqa: E402
 
 
 def _overlap(a, b) -> bool:
@@ -40,7 +40,7 @@ def test_a_misspelt_legend_place_is_refused():
 def test_ladder_bars_are_horizontal_with_labels_that_do_not_collide():
     import torch
 
-    results = measure_ladder(LadderSize("wrn-10-1", batch=2, warmup=0, repeats=1),
+    results = measure_ladder(Workload("wrn-10-1", batch=2, warmup=0, repeats=1),
                              torch.device("cpu"), rungs=LADDER[:4])
     fig = plot_ladder(results, "ladder")
     fig.canvas.draw()
@@ -58,7 +58,7 @@ def test_ladder_bars_are_horizontal_with_labels_that_do_not_collide():
 
 def test_a_one_gpu_figure_is_titled_with_one_gpu(monkeypatch):
     from tutorial_utils import stamp as stamp_mod
-    from tutorial_utils.report import figure_title
+    from tutorial_utils.bench.report import figure_title
 
     real = stamp_mod.environment_stamp()
     two = stamp_mod.EnvironmentStamp(**{**real.as_dict(), "gpu_count": 2,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tutorial_utils import timeline
+from tutorial_utils.bench import timeline
 from tutorial_utils.launch import LaunchError, torchrun
 from tutorial_utils.models import wide_resnet
 from tutorial_utils.step_graph import (
@@ -114,12 +114,30 @@ def test_step_timing_records_a_captured_run(tmp_path):
     args = ["--model", "wrn-10-1", "--batch", "4", "--warmup", "1", "--repeats", "2",
             "--device", "cpu", "--capture", "--optimizer", "fused", "--out", str(out),
             "--trace", str(tmp_path / "t.json")]
-    torchrun("tutorial_utils.workers.step_timing", args, nproc=2, timeout_s=300, echo=False)
+    torchrun("tutorial_utils.bench.workers.step_timing", args, nproc=2, timeout_s=300, echo=False)
     (record,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert record["capture"] and record["world_size"] == 2
     n_params = sum(p.numel() for p in wide_resnet("wrn-10-1").parameters())
     assert record["grad_bytes"] == 4 * n_params  # the all-reduce the ring model is fed
     assert record["bus_gbps"] > 0 and record["optimizer"] == "fused"
+    assert len(timeline.step_starts(timeline.load(tmp_path / "t.json"))) == 5
+
+
+@pytest.mark.gpu
+def test_step_timing_captures_and_times_the_step_on_a_gpu(tmp_path):
+    # The DDP step's graph is replayed for the host clock and the trace, then the no_sync
+    # step's: capturing the second hands the parameters its gradients, so the first must be
+    # timed before (replaying it after would find gradients it does not write, and refuse).
+    out = tmp_path / "st.jsonl"
+    args = ["--model", "wrn-10-1", "--batch", "8", "--warmup", "2", "--repeats", "3",
+            "--device", "cuda", "--capture", "--optimizer", "fused", "--compile", "none",
+            "--out", str(out), "--trace", str(tmp_path / "t.json")]
+    torchrun("tutorial_utils.bench.workers.step_timing", args, nproc=1, timeout_s=300,
+             echo=False)
+    (record,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["capture"] and record["device"] == "cuda:0"
+    assert 0 < record["host_ms"] and 0 < record["ddp_ms"] and 0 < record["no_sync_ms"]
+    assert record["gpu_kernels_ms"] > 0  # the profiled replays ran kernels
     assert len(timeline.step_starts(timeline.load(tmp_path / "t.json"))) == 5
 
 

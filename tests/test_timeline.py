@@ -8,7 +8,7 @@ import pytest
 
 matplotlib.use("Agg")
 
-from tutorial_utils import timeline  # noqa: E402
+from tutorial_utils.bench import timeline  # noqa: E402
 
 HOST, GPU = 100, 0  # a process id and a device index, as torch.profiler writes them
 
@@ -44,7 +44,7 @@ def test_events_are_sorted_into_the_legends_categories():
         None, timeline.LAUNCHES, timeline.HOST_OPS, None, timeline.COMPUTE, timeline.COMPUTE,
         timeline.COPIES, timeline.NCCL, None]
     rows = timeline.rows(trace)
-    assert list(rows) == ["host: python", "GPU 0, stream 7", "GPU 0, stream 20"]
+    assert list(rows) == ["host: main thread", "GPU 0, stream 7", "GPU 0, stream 20"]
     assert len(rows["GPU 0, stream 7"]) == 6 and len(rows["GPU 0, stream 20"]) == 2
     assert timeline.step_starts(trace) == [0, 1000]
 
@@ -75,14 +75,23 @@ def test_the_plot_has_a_row_per_stream_and_a_legend_entry_per_drawn_kind(tmp_pat
 
 def test_a_trace_from_the_worker_on_two_cpu_processes(tmp_path):
     trace = tmp_path / "trace.json"
-    record = timeline.record("wrn-10-1", 2, 2, "cpu", False, trace, repeats=1)
+    from tutorial_utils.bench.workload import Workload
+
+    record = timeline.record(Workload("wrn-10-1", 2, 1, 1), 2, "cpu", False, trace)
     assert record["world_size"] == 2
     events = timeline.load(trace)
     rows = timeline.rows(events)
-    assert next(iter(rows)) == "host: python"  # the main thread first
+    assert next(iter(rows)) == "host: main thread"  # whatever the interpreter is called
     assert any(c == timeline.GLOO for spans in rows.values() for _, _, c in spans)
     assert len(timeline.step_starts(events)) == 5
     got = timeline.overlap(events)
     assert got["comm"] == timeline.GLOO and got["comm_ms"] > 0
     assert 0 <= got["overlap_ms"] <= got["comm_ms"]
     timeline.plot(events, "WRN-10-1 on two CPU processes")
+
+
+@pytest.mark.parametrize("interpreter", ["python", "python3", "python3.12"])
+def test_the_main_thread_is_labelled_whatever_the_interpreter_is_called(interpreter):
+    trace = tiny_gpu_trace()
+    trace[0]["args"]["name"] = f"thread 100 ({interpreter})"
+    assert next(iter(timeline.rows(trace))) == "host: main thread"

@@ -86,7 +86,7 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, loader):
 
 def test_a_resumed_run_keeps_one_record_per_epoch_and_adds_up_its_training_time(
         tmp_path, monkeypatch):
-    from tutorial_utils.experiment import load_run
+    from tutorial_utils.bench.experiment import load_run
 
     cfg = tiny(tmp_path, epochs=4, checkpoint_every=2)
     killed_in_epoch(cfg, 4, monkeypatch)  # epoch 3 is logged, then lost: the checkpoint is of 2

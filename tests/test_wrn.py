@@ -36,5 +36,5 @@ def test_bad_shapes_are_clear_errors(kwargs, message):
 
 
 def test_bad_name():
-    with pytest.raises(ValueError, match="must look like 'wrn-28-10'"):
+    with pytest.raises(ValueError, match="looks like 'wrn-28-10'"):
         wide_resnet("resnet50")

@@ -38,7 +38,7 @@ class Page(HTMLParser):
     def __init__(self, path: Path):
         super().__init__(convert_charrefs=True)
         self.stack, self.ids, self.refs, self.imgs, self.figures = [], set(), [], [], []
-        self.outputs, self.prose, self.math, self.mathjax = [], [], False, False
+        self.outputs, self.prose, self.math, self.mathjax = [], [], False, ""
         self.feed(path.read_text(encoding="utf-8"))
 
     def handle_starttag(self, tag, attrs):
@@ -46,7 +46,8 @@ class Page(HTMLParser):
         cls = a.get("class", "").split()
         self.ids.update(v for k, v in a.items() if k in ("id", "name") and v)
         self.refs += [a[k] for k in ("href", "src") if a.get(k)]
-        self.mathjax |= tag == "script" and "mathjax" in a.get("src", "").lower()
+        if tag == "script" and "mathjax" in a.get("src", "").lower():
+            self.mathjax = a["src"]
         self.math |= "math" in cls
         if tag == "img":
             self.imgs.append((a, "figure" in {kind for _, kind in self.stack}))
@@ -130,6 +131,8 @@ def check_page(root: Path, path: Path, load) -> tuple[list[str], list[str], list
     probs += [f"unrendered maths {m.group(0)[:60]!r}" for m in UNRENDERED_MATH.finditer(prose)]
     if page.math and not page.mathjax:
         probs.append("maths on the page but no MathJax script")
+    elif page.math and urlsplit(page.mathjax).scheme:  # a CDN: no maths without the network
+        probs.append(f"MathJax comes from {urlsplit(page.mathjax).netloc}, not with the book")
     warns += [f"pseudo-maths {' '.join(m.group(0).split())!r}" for m in PSEUDO_MATH.finditer(prose)]
     return probs, warns, images
 

@@ -1,20 +1,25 @@
 """Execute the book's notebooks in place, stamp them, and check that stored outputs are fresh.
 
-``python -m tutorial_utils.nbtools execute NB...``
+``python tools/nbtools.py execute NB...``
     Runs each notebook top to bottom in a fresh kernel and stores its outputs together with
     ``metadata.tutorial_utils``: the environment stamp, the size profile, a hash of the code
     cells and a hash of every ``tutorial_utils`` module that the kernel or a process the
     notebook started (torchrun's workers) imported; drops a pending notice. Refuses to replace
     outputs made on a GPU with a run on a machine without one, unless ``--force``.
 
-``python -m tutorial_utils.nbtools check NB...``
+``python tools/nbtools.py check NB...``
     Fails (exit 1), naming the notebook and what changed, when its code cells or the package
     modules it used changed since its outputs were made, or those were not made on a GPU;
     passes (printing ``pending:``) one with the pending notice written for those findings.
 
-``python -m tutorial_utils.nbtools pending NB... --gpus N [--reason TEXT]``
+``python tools/nbtools.py pending NB... --gpus N [--reason TEXT]``
     Writes that notice at the top of each stale notebook, or of one whose outputs come from
-    fewer GPUs than N (``tutorial_utils.pending``).
+    fewer GPUs than N (``pending.py``).
+
+Which modules a notebook used is logged by every process it starts: the kernel runs with
+``modlog/`` on ``PYTHONPATH``, whose ``sitecustomize`` records each ``tutorial_utils`` module
+as it is imported, and every process the kernel starts inherits both (torchrun, its workers,
+``python -m tutorial_utils.train``).
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
+import pending
 
-from . import pending
+from tutorial_utils.bench.records import PACKAGE as PACKAGE_ROOT
+from tutorial_utils.bench.records import module_hashes
 
 METADATA_KEY = pending.METADATA_KEY
-MODULE_LOG_VAR = "TUTORIAL_MODULE_LOG"  # read by tutorial_utils/__init__.py
-PACKAGE_ROOT = Path(__file__).resolve().parent
+MODULE_LOG_VAR = "TUTORIAL_MODULE_LOG"  # read by modlog/sitecustomize.py
+MODLOG = Path(__file__).resolve().parent / "modlog"
 
 # Run in the kernel after the last cell: which package modules did the notebook use, and on what.
 _PROBE = """\
@@ -72,21 +79,6 @@ def code_hash(nb: nbformat.NotebookNode) -> str:
     return h.hexdigest()
 
 
-def module_file(module: str, package_root: Path) -> Path:
-    """Source file of a ``tutorial_utils[.sub...]`` module inside ``package_root``."""
-    parts = module.split(".")[1:]
-    base = package_root.joinpath(*parts)
-    return base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
-
-
-def module_hashes(modules: list[str], package_root: Path) -> dict[str, str]:
-    out = {}
-    for m in modules:
-        f = module_file(m, package_root)
-        out[m] = hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else "missing"
-    return out
-
-
 def logged_modules(log: Path) -> set[str]:
     """Module names the notebook's processes wrote to ``log``, one JSON list per line."""
     names: set[str] = set()
@@ -107,7 +99,8 @@ def _run_probe_last(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> dict:
         try:
             client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
                                     resources={"metadata": {"path": str(cwd)}})
-            client.execute(env={**os.environ, MODULE_LOG_VAR: str(log)})
+            path = os.pathsep.join([str(MODLOG), *filter(None, [os.environ.get("PYTHONPATH")])])
+            client.execute(env={**os.environ, MODULE_LOG_VAR: str(log), "PYTHONPATH": path})
             cell = nb.cells[-1]
             text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream")
             probe = json.loads(text.strip().splitlines()[-1])
@@ -121,7 +114,7 @@ def execute_notebook(
     path: Path, *, force: bool = False, timeout: int = 1800, package_root: Path = PACKAGE_ROOT
 ) -> dict:
     """Execute ``path`` in place and stamp it; return the metadata written."""
-    from .devices import gpu_count
+    from tutorial_utils.devices import gpu_count
 
     nb = nbformat.read(path, as_version=4)
     previous = nb.metadata.get(METADATA_KEY, {})
@@ -188,7 +181,7 @@ def mark_pending(
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m tutorial_utils.nbtools", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python tools/nbtools.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="execute notebooks in place and stamp them")
@@ -224,7 +217,7 @@ def _check(args: argparse.Namespace) -> int:
               else sys.stderr)
     if stale := sorted({str(f.notebook) for f in findings if not f.pending}):
         print(f"re-execute on a GPU machine: make execute NB=\"{' '.join(stale)}\"\n"
-              "or, until that can run, mark them: python -m tutorial_utils.nbtools pending "
+              "or, until that can run, mark them: python tools/nbtools.py pending "
               "NB... --gpus N --reason TEXT", file=sys.stderr)
         return 1
     held = len({f.notebook for f in findings})

@@ -1,4 +1,20 @@
-"""Typed, validated configuration, and a command line generated from it."""
+"""Typed, validated configuration: one dataclass per program, its command line generated.
+
+Every program of the package (the training entry point, the workers torchrun starts, the
+benchmarks) is configured the same way. A dataclass declares its settings with :func:`opt` (a
+default and a ``--help`` text) and checks them in ``__post_init__``, raising
+:class:`ConfigError` with a message a person understands. :func:`parse` builds the command line
+from the fields; :meth:`Config.to_argv` writes a configuration back as the options that rebuild
+it, so a launcher hands ``cfg.to_argv()`` to the process it starts and both sides share one
+definition of every setting.
+
+    @dataclass
+    class StepConfig(Config):
+        batch: int = opt(128, "images per process")
+
+    cfg = parse(StepConfig, ["--batch", "64"], prog="step")  # StepConfig(batch=64)
+    cfg.to_argv()                                             # ["--batch", "64"]
+"""
 
 from __future__ import annotations
 
@@ -6,12 +22,43 @@ import argparse
 import dataclasses
 import sys
 import typing
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 
 class ConfigError(ValueError):
     """An invalid setting; the message says which and what to use instead."""
+
+
+def opt(default: Any = MISSING, doc: str = "") -> Any:
+    """A configuration field with its ``--help`` text; no default makes the option required."""
+    return field(default=default, metadata={"help": doc})
+
+
+def check(*rules: tuple[bool, str]) -> None:
+    """Raise :class:`ConfigError` with the message of the first rule that does not hold."""
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
+
+
+def check_wrn(name: str, flag: str = "--model") -> None:
+    """Raise :class:`ConfigError` unless ``name`` names a Wide-ResNet, such as ``wrn-28-10``."""
+    from .models.wrn import wrn_shape
+
+    try:
+        wrn_shape(name)
+    except ValueError as err:
+        raise ConfigError(f"{flag}: {err}") from None
+
+
+class Config:
+    """Base of the configuration dataclasses: ``cfg.to_argv()`` writes ``cfg`` as options."""
+
+    def to_argv(self) -> list[str]:
+        """The command-line options that give this configuration (the non-default ones)."""
+        return to_argv(self)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -21,39 +68,70 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _option(parser: argparse.ArgumentParser, f: dataclasses.Field, hint: Any) -> None:
-    name = "--" + f.name.replace("_", "-")
+    required = f.default is MISSING
     help_text = f.metadata.get("help", "")
-    kwargs: dict[str, Any] = {"default": f.default, "help": f"{help_text} (default: %(default)s)"}
-    origin = typing.get_origin(hint)
-    if hint is bool:
+    kwargs: dict[str, Any] = {"help": help_text if required else f"{help_text} (default: "
+                              "%(default)s)"}
+    if required:
+        kwargs["required"] = True
+    else:
+        kwargs["default"] = f.default
+    # `X | None` is an X that may be left unset
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if typing.get_origin(hint) is not Literal and len(args) == 1 else hint
+    origin = typing.get_origin(base)
+    if base is bool:
         kwargs["action"] = argparse.BooleanOptionalAction
     elif origin is Literal:
-        kwargs["choices"] = typing.get_args(hint)
+        kwargs["choices"] = typing.get_args(base)
+    elif origin is tuple:  # tuple[int, ...]: any number of values after the flag
+        item = typing.get_args(base)[0]
+        kwargs |= {"nargs": "*", "type": item}
+        if typing.get_origin(item) is Literal:
+            kwargs |= {"type": str, "choices": typing.get_args(item)}
     else:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        kwargs["type"] = args[0] if origin is not None and args else hint
-    parser.add_argument(name, **kwargs)
+        kwargs["type"] = base
+    parser.add_argument(_flag(f.name), **kwargs)
 
 
-def build_parser(cls: type, prog: str, description: str) -> argparse.ArgumentParser:
+def build_parser(cls: type, prog: str, description: str | None = None) -> argparse.ArgumentParser:
     """One ``--option`` per dataclass field, typed from its annotation."""
-    parser = OneLineParser(prog=prog, description=description)
+    doc = description or (cls.__doc__ or "").strip().splitlines()[0]
+    parser = OneLineParser(prog=prog, description=doc)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         _option(parser, f, hints[f.name])
     return parser
 
 
-def parse(cls: type, argv: list[str] | None, prog: str, description: str):
-    """Parse ``argv`` into ``cls`` (its ``__post_init__`` validates); ConfigError on bad values."""
+def parse(cls: type, argv: list[str] | None, prog: str, description: str | None = None):
+    """Parse ``argv`` (default: ``sys.argv[1:]``) into ``cls``; ConfigError on bad values."""
     ns = build_parser(cls, prog, description).parse_args(sys.argv[1:] if argv is None else argv)
-    return cls(**vars(ns))
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(ns).items()}
+    return cls(**values)
+
+
+def parse_or_exit(cls: type, argv: list[str] | None, module: str):
+    """:func:`parse` for ``python -m module``; an invalid setting ends it with one line (exit 2)."""
+    prog = f"python -m {module}"
+    try:
+        return parse(cls, argv, prog)
+    except ConfigError as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """JSON- and checkpoint-safe: paths become strings."""
-    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(cfg).items()}
+    """JSON- and checkpoint-safe: paths become strings, tuples lists."""
+    def plain(v: Any) -> Any:
+        return str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+
+    return {k: plain(v) for k, v in dataclasses.asdict(cfg).items()}
 
 
 def to_argv(cfg: Any) -> list[str]:
@@ -61,11 +139,87 @@ def to_argv(cfg: Any) -> list[str]:
     argv: list[str] = []
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if value == f.default:
+        if f.default is not MISSING and value == f.default:
             continue
-        name = "--" + f.name.replace("_", "-")
+        name = _flag(f.name)
         if isinstance(value, bool):
-            argv.append(name if value else "--no-" + f.name.replace("_", "-"))
-        else:
+            argv.append(name if value else "--no-" + name[2:])
+        elif isinstance(value, tuple | list):
+            argv += [name, *map(str, value)]
+        elif value is not None:
             argv += [name, str(value)]
     return argv
+
+
+# --- The training entry point's configuration -------------------------------------------------
+
+REFERENCE_BATCH = 128  # the batch the base learning rate is given for
+
+
+@dataclass
+class TrainConfig(Config):
+    """Train a Wide-ResNet on CIFAR-10: one entry point for a CPU, one GPU, or N under torchrun."""
+
+    depth: int = opt(28, "WRN depth, 6n+4")
+    width: int = opt(10, "WRN width factor k")
+    dropout: float = opt(0.0, "dropout between the convolutions of a block (the paper: 0.3)")
+    epochs: int = opt(10, "epochs to train")
+    batch: int = opt(128, "global batch (strong scaling) or per-GPU batch (weak scaling)")
+    scaling: Literal["strong", "weak"] = opt("strong", "how --batch is shared by the processes")
+    lr: float = opt(0.1, f"learning rate at a global batch of {REFERENCE_BATCH}, scaled linearly")
+    schedule: Literal["warmup-linear", "step"] = opt(
+        "warmup-linear", "after the warm-up: linear decay to 0, or the paper's x0.2 at 30/60/80 "
+        "%% of the epochs")
+    warmup_epochs: float = opt(1.0, "linear warm-up from 0 to the peak learning rate")
+    weight_decay: float = opt(5e-4, "L2 weight decay (SGD with Nesterov momentum 0.9)")
+    label_smoothing: float = opt(0.0, "label smoothing of the cross-entropy loss")
+    crop_pad: int = opt(4, "augmentation: random crops from images padded by this many "
+                        "pixels, plus random mirroring (0: mirroring only)")
+    tta: bool = opt(False, "test-time augmentation: sum the outputs for each test image and "
+                    "its mirror image")
+    bf16: bool = opt(True, "bf16 autocast")
+    compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
+    step_graph: bool = opt(False, "record forward and backward, all-reduces included, as one "
+                           "CUDA graph replayed every step; with --compile default or none")
+    loader: Literal["device", "dataloader"] = opt(
+        "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
+    data: str = opt("auto", "auto (./data, downloaded when online), synthetic, a "
+                    "torchvision-layout folder, or an image-folder tree / tarball")
+    limit_per_class: int | None = opt(None, "use only N training images per class")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    out: Path = opt(Path("runs/wrn"), "output folder: metrics.jsonl, checkpoint.pt")
+    checkpoint_every: int = opt(1, "epochs between checkpoints (0: never)")
+    resume: bool = opt(False, "continue from <out>/checkpoint.pt")
+    seed: int = opt(0, "seed for initialisation, data order and augmentation")
+    deterministic: bool = opt(
+        False, "deterministic kernels (no cuDNN autotuning): runs repeat bit for bit, slower")
+
+    def __post_init__(self) -> None:
+        if self.depth < 10 or (self.depth - 4) % 6:
+            raise ConfigError(f"--depth must be 6n+4 (10, 16, 22, 28, 40, ...), got {self.depth}")
+        check(
+            (self.width >= 1, f"--width must be >= 1, got {self.width}"),
+            (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
+            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
+            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (0 <= self.warmup_epochs <= self.epochs,
+             f"--warmup-epochs must be in [0, --epochs], got {self.warmup_epochs}"),
+            (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
+            (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
+            (not (self.step_graph and self.compile == "reduce-overhead"),
+             "--step-graph records the whole step itself: use it with --compile default or "
+             "none, not reduce-overhead"),
+        )
+
+    def batches(self, world_size: int) -> tuple[int, int]:
+        """(per-process batch, global batch) for ``world_size`` processes."""
+        if self.scaling == "strong" and self.batch % world_size:
+            raise ConfigError(f"global --batch {self.batch} is not divisible by {world_size} "
+                              f"processes; use a multiple of {world_size}, or --scaling weak")
+        per_gpu = self.batch if self.scaling == "weak" else self.batch // world_size
+        return per_gpu, per_gpu * world_size
+
+    def peak_lr(self, world_size: int) -> float:
+        """The linear scaling rule (Goyal et al.): the rate grows with the global batch."""
+        return self.lr * self.batches(world_size)[1] / REFERENCE_BATCH

@@ -8,7 +8,6 @@ returns the metrics the workers wrote as JSON lines.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import selectors
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import _log_modules
+from .jsonl import read_jsonl
 
 _PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 # torchrun's --tee, reading a rank's log while it is written, can tag a line mid-way too.
@@ -46,13 +45,6 @@ class LaunchResult:
     returncode: int
     output: str
     metrics: list[dict] = field(default_factory=list)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The JSON lines a job wrote (an empty list if it wrote none)."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def failure_summary(output: str, returncode: int) -> str:
@@ -127,10 +119,6 @@ def torchrun(
     if metrics_file is not None:
         metrics_file.unlink(missing_ok=True)
     program = [target] if target.endswith(".py") else ["-m", target]
-    if not target.endswith(".py"):
-        # Logged now as well as by each worker at exit: a worker killed by a signal (NCCL's
-        # watchdog aborts it) writes nothing, and the check must still cover its code.
-        _log_modules([target])
     cmd = [
         sys.executable, "-m", "torch.distributed.run", *torchrun_args,
         f"--nproc_per_node={nproc}", "--tee=3", *program, *args,
@@ -155,5 +143,5 @@ def torchrun(
         raise LaunchError(f"timed out after {timeout_s:.0f} s; all processes were killed", output)
     if proc.returncode != 0:
         raise LaunchError(failure_summary(output, proc.returncode), output)
-    metrics = read_metrics(metrics_file) if metrics_file is not None else []
+    metrics = read_jsonl(metrics_file) if metrics_file is not None else []
     return LaunchResult(proc.returncode, output, metrics)

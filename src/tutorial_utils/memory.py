@@ -3,8 +3,8 @@
 :func:`breakdown` counts each part in bytes as the book trains (bf16 autocast, channels_last,
 SGD with Nesterov momentum) and, on a GPU, measures the step's peak. :func:`checkpointed`
 recomputes the residual blocks' activations in backward instead of keeping them
-(:func:`checkpoint_cost` measures the trade). :func:`zero_table` is ZeRO's accounting
-(Rajbhandari et al., 2020): what sharding over N GPUs removes of the model state.
+(:mod:`tutorial_utils.bench.memory` measures the trade). :func:`zero_table` is ZeRO's
+accounting (Rajbhandari et al., 2020): what sharding over N GPUs removes of the model state.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .models.wrn import BasicBlock
 from .timing import synchronize
+from .trainer import forward_loss, train_step
 
 PARTS = ("parameters", "gradients", "optimizer", "weight_copies", "activations")
 
@@ -81,18 +81,6 @@ def saved_tensors(exclude=()) -> Iterator[dict[str, dict[int, int]]]:
         yield found
 
 
-def _forward_loss(model, x, y, bf16: bool) -> torch.Tensor:
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
-        return F.cross_entropy(model(x), y)
-
-
-def train_step(model, optimizer, x, y, bf16: bool = True) -> None:
-    """Forward, loss, backward and update, as chapter 2 times it."""
-    _forward_loss(model, x, y, bf16).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *, name: str = "",
               bf16: bool = True) -> Breakdown:
     """Run two training steps on ``batch = (x, y)`` and account for the bytes of the second.
@@ -116,7 +104,7 @@ def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *, name
         synchronize(x.device)
         torch.cuda.reset_peak_memory_stats(x.device)
     with saved_tensors(exclude=params + list(model.buffers())) as saved:
-        loss = _forward_loss(model, x, y, bf16)
+        _, loss = forward_loss(model, x, y, bf16)
     loss.backward()
     grads = storage_bytes(p.grad for p in params if p.grad is not None)
     optimizer.step()

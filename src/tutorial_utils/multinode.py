@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .devices import gpu_count
-from .launch import LaunchError, LaunchResult, failure_summary, kill_tree, read_metrics
+from .jsonl import read_jsonl
+from .launch import LaunchError, LaunchResult, failure_summary, kill_tree
 
 
 def free_port() -> int:
@@ -89,7 +90,7 @@ def simulate_nodes(
         if p.wait() != 0:
             summary = failure_summary("\n".join(outputs[i]), p.returncode)
             raise LaunchError(f"node {i}: {summary}", text)
-    metrics = read_metrics(metrics_file) if metrics_file is not None else []
+    metrics = read_jsonl(metrics_file) if metrics_file is not None else []
     return LaunchResult(0, text, metrics)
 
 

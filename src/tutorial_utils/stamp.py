@@ -139,10 +139,14 @@ def nccl_version() -> str:
 
 
 def _git_commit() -> str:
+    """``TUTORIAL_GIT_COMMIT`` when set (a copy of the repository whose git metadata lags its
+    files), else what git says of the checkout, ``+dirty`` with uncommitted changes."""
+    if commit := os.environ.get("TUTORIAL_GIT_COMMIT"):
+        return commit
     here = Path(__file__).resolve().parent
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here)
     if commit is None:
-        return os.environ.get("TUTORIAL_GIT_COMMIT", "unknown")
+        return "unknown"
     dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here)
     return commit + ("+dirty" if dirty else "")
 

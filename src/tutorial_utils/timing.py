@@ -4,13 +4,16 @@ CUDA kernels run asynchronously: a Python call returns once the work is *queued*
 read right after it measures the queueing, not the work. :func:`benchmark` warms up (first calls
 pay for cuDNN autotuning, allocator growth, compilation), brackets every repeat with CUDA events
 on the current stream, synchronises once at the end, and reports the median and quartiles.
+:func:`tf32_enabled` and :func:`cudnn_autotuning` set, for one block, the two switches that
+every measurement in the book states.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,3 +128,28 @@ def cold_call_ms(fn: Callable[[], object], device: torch.device | str | None = N
     fn()
     synchronize(device)
     return (time.perf_counter() - t0) * 1e3
+
+
+@contextlib.contextmanager
+def tf32_enabled(enabled: bool) -> Iterator[None]:
+    """Allow (or forbid) TF32 in matmuls and cuDNN convolutions, restoring the old settings.
+
+    cuDNN convolutions default to TF32 already, so a true FP32 baseline must switch it off.
+    """
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@contextlib.contextmanager
+def cudnn_autotuning(enabled: bool = True) -> Iterator[None]:
+    """Let cuDNN time its algorithms for each new shape (``cudnn.benchmark``), then restore."""
+    old = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = old

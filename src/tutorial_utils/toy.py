@@ -38,16 +38,3 @@ def toy_output_shape(input_shape: tuple[int, ...] = INPUT_SHAPE) -> tuple[int, .
     n, _, h, w = input_shape
     kh, kw = KERNEL_HW
     return (n, 3, h - 2 * (kh - 1), w - 2 * (kw - 1))
-
-
-def accumulation_matches_doubling(seed: int = 0) -> bool:
-    """Exercise: two backward passes with ``g`` leave the same ``.grad`` as one with ``2 g``."""
-    gen = torch.Generator().manual_seed(seed)
-    model, x = toy_model(), toy_input(gen)
-    g = toy_grad_output(torch.Size(toy_output_shape()), gen)
-    model(x).backward(g)
-    model(x).backward(g)
-    twice = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    model(x).backward(2 * g)
-    return all(torch.allclose(a, p.grad) for a, p in zip(twice, model.parameters(), strict=True))

@@ -13,13 +13,13 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from . import checkpoint as ckpt
-from .config import to_dict
+from .config import TrainConfig, to_dict
 from .data import Cifar10
 from .loaders import DeviceLoader, dataloader, normalize
 from .models import WideResNet
@@ -27,9 +27,6 @@ from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
 from .step_graph import StepGraph
 from .timing import synchronize
-
-if TYPE_CHECKING:
-    from .train import TrainConfig
 
 CRASH_ENV = "TUTORIAL_CRASH_AT_STEP"  # fault injection for chapter 6's demo, not a setting
 
@@ -42,6 +39,30 @@ def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
     if cfg.schedule == "step":
         return 0.2 ** sum(epoch >= f * cfg.epochs for f in (0.3, 0.6, 0.8))
     return max(0.0, (cfg.epochs - epoch) / max(cfg.epochs - cfg.warmup_epochs, 1e-9))
+
+
+def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool = True,
+                 label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and cross-entropy loss of one batch, computed the way the whole book trains.
+
+    bf16 autocast: convolutions and matrix products in bf16, reductions (BatchNorm's
+    statistics, the loss) in fp32, the weights kept in fp32. Its cache of bf16 weight copies
+    is off: each weight is used once per forward, so the cache saves no cast, and a cached copy
+    is freed when the region ends while a step recorded as a CUDA graph would still read it.
+    """
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+        out = model(x)
+        return out, F.cross_entropy(out, y, label_smoothing=label_smoothing)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+               y: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+    """One SGD step on ``(x, y)``: forward and loss, backward, update, gradients freed."""
+    _, loss = forward_loss(model, x, y, bf16)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
 
 
 def predict(model: torch.nn.Module, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
@@ -172,12 +193,7 @@ class Trainer:
 
     def _forward_backward(self, x: torch.Tensor,
                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # No autocast cache: a cached bf16 copy of a weight would be freed at the end of the
-        # region while a recorded graph still reads it (each weight is used once anyway).
-        with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16,
-                            cache_enabled=False):
-            out = self.model(x)
-            loss = F.cross_entropy(out, y, label_smoothing=self.cfg.label_smoothing)
+        out, loss = forward_loss(self.model, x, y, self.cfg.bf16, self.cfg.label_smoothing)
         loss.backward()
         return out, loss
 
@@ -228,10 +244,3 @@ class Trainer:
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)
         return total_correct / n
-
-
-def resume_point(crash_step: int, steps_per_epoch: int) -> tuple[int, int]:
-    """Exercise: (epoch a restarted job resumes at, steps it trains again) after a crash at
-    global step ``crash_step`` when a checkpoint is written after every epoch."""
-    resume_epoch = crash_step // steps_per_epoch
-    return resume_epoch, crash_step - resume_epoch * steps_per_epoch

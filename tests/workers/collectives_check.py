@@ -11,8 +11,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tutorial_utils.parallel.collectives import ring_all_reduce, root_all_reduce
+from tutorial_utils.parallel.collectives import ring_all_reduce
 from tutorial_utils.parallel.distributed import distributed
+from tutorial_utils.solutions.ch03b import root_all_reduce
 
 with distributed("cpu") as ctx:
     rows = []

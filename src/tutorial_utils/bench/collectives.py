@@ -1,8 +1,8 @@
 """The collectives over message sizes, and the alpha-beta model fitted to them (chapter 3b).
 
-    python -m tutorial_utils.bench_collectives --nproc 2 --max-mb 256
+    python -m tutorial_utils.bench.collectives --nproc 2 --max-mb 256
 
-Launches :mod:`tutorial_utils.workers.collectives_bench` under torchrun (NCCL on GPUs, gloo on
+Launches :mod:`tutorial_utils.bench.workers.collectives` under torchrun (NCCL on GPUs, gloo on
 CPU processes), fits t(n) = alpha + n / beta to each collective's times, and checks the fit's
 prediction for an all-reduce of WRN-28-10's gradients against chapter 4's all-reduce of
 exactly that size, timed in the same run.
@@ -10,19 +10,25 @@ exactly that size, timed in the same run.
 
 from __future__ import annotations
 
-import argparse
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from .devices import gpu_count
-from .launch import torchrun
-from .models import wide_resnet
-from .parallel.collectives import AlphaBeta, bus_factor, fit_alpha_beta
+from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..devices import gpu_count
+from ..launch import torchrun
+from ..models import wide_resnet
+from ..parallel.collectives import AlphaBeta, bus_factor, fit_alpha_beta
+from . import records
 from .report import Column
 from .report import table as text_table
-from .workers.collectives_bench import COLLECTIVES
+from .workers.collectives import COLLECTIVES, CollectivesWorkerConfig
 
+RECORD = "03b-collectives"
+WORKER = "tutorial_utils.bench.workers.collectives"
 RING = "ring_all_reduce"
 LABELS = {name: name.replace("_", "-") for name in COLLECTIVES} | {RING: "ring (by hand)"}
 GRADIENTS_OF = "wrn-28-10"
@@ -49,18 +55,55 @@ def human_bytes(n: float) -> str:
     return f"{n / scale:.{0 if n % scale == 0 else 1}f} {unit}"
 
 
-def run(nproc: int, device: str, sizes: list[int], ring_sizes: list[int] | None = None,
-        check_bytes: int | None = None, warmup: int = 5, repeats: int = 20,
-        out: Path = Path("runs/ch03b/collectives.jsonl"), timeout_s: float = 900) -> list[dict]:
-    """Time every collective at ``sizes`` (the hand-written ring at ``ring_sizes``, by default
-    every fourth size and the largest) in ``nproc`` processes; return the workers' records."""
-    ring_sizes = sorted(set(sizes[::4] + sizes[-1:])) if ring_sizes is None else ring_sizes
-    out.parent.mkdir(parents=True, exist_ok=True)
-    args = ["--sizes", *map(str, sizes), "--ring-sizes", *map(str, ring_sizes),
-            "--warmup", str(warmup), "--repeats", str(repeats), "--device", device,
-            "--out", str(out), *(["--check-bytes", str(check_bytes)] if check_bytes else [])]
-    return torchrun("tutorial_utils.workers.collectives_bench", args, nproc=nproc,
-                    timeout_s=timeout_s, metrics_file=out, echo=False).metrics
+@dataclass
+class CollectivesConfig(Config):
+    """The collectives over message sizes, and the alpha-beta model fitted to them."""
+
+    nproc: int = opt(2, "processes: one per GPU when there are as many, else CPU processes")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when there is a GPU per "
+                                                 "process")
+    max_mb: float | None = opt(None, "largest message in MiB (default: 256 on GPUs, 16 on CPUs)")
+    factor: int = opt(2, "each size is this many times the one before, from 4 KiB")
+    gradients_of: str = opt(GRADIENTS_OF, "the network whose gradients' all-reduce tests the fit")
+    warmup: int = opt(5, "untimed calls of each collective at each size")
+    repeats: int = opt(20, "timed calls; the median is reported")
+    record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
+
+    def __post_init__(self) -> None:
+        check_wrn(self.gradients_of, "--gradients-of")
+        check((self.nproc >= 2, f"--nproc must be >= 2: collectives need several processes, "
+               f"got {self.nproc}"),
+              (self.max_mb is None or self.max_mb * 2**20 >= 4096,
+               f"--max-mb must be at least 4 KiB (0.004), got {self.max_mb}"),
+              (self.factor >= 2, f"--factor must be >= 2, got {self.factor}"),
+              (self.warmup >= 0 and self.repeats >= 1, "need --warmup >= 0 and --repeats >= 1"))
+
+    @property
+    def on(self) -> str:
+        """The device the processes use."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if gpu_count() >= self.nproc else "cpu"
+
+
+def run(cfg: CollectivesConfig, timeout_s: float = 900) -> list[dict]:
+    """Time every collective over the sizes of ``cfg`` (the hand-written ring at every fourth
+    size and the largest; chapter 4's all-reduce at WRN-28-10's gradient bytes) in
+    ``cfg.nproc`` processes; return the workers' records."""
+    sizes = message_sizes(int((cfg.max_mb or (256 if cfg.on == "cuda" else 16)) * 2**20),
+                          factor=cfg.factor)
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = CollectivesWorkerConfig(
+            sizes=tuple(sizes), ring_sizes=tuple(sorted(set(sizes[::4] + sizes[-1:]))),
+            check_bytes=gradient_bytes(cfg.gradients_of), warmup=cfg.warmup, repeats=cfg.repeats,
+            device=cfg.on, out=Path(tmp) / "collectives.jsonl")
+        return torchrun(WORKER, worker.to_argv(), nproc=cfg.nproc, timeout_s=timeout_s,
+                        metrics_file=worker.out, echo=False).metrics
+
+
+def measured(cfg: CollectivesConfig) -> tuple[list[dict], records.Source]:
+    """Chapter 3b's measurements: its record where there is one, else measured here."""
+    return records.read_or_measure(RECORD, lambda: run(cfg), cfg)
 
 
 def sweep(records: list[dict], collective: str) -> list[dict]:
@@ -180,20 +223,15 @@ def _gradient_summary(records: list[dict], model: AlphaBeta, largest: int) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--max-mb", type=int, help="largest message, MiB (256 on GPUs, 16 on CPU)")
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args(argv)
-    device = "cuda" if gpu_count() >= args.nproc else "cpu"
-    max_mb = args.max_mb or (256 if device == "cuda" else 16)
-    records = run(args.nproc, device, message_sizes(max_mb * 2**20, factor=2),
-                  check_bytes=gradient_bytes(), repeats=args.repeats)
-    fits = fit(records)
-    s = summary(records, fits)
-    print(table(records), fit_table(records, fits), sep="\n\n")
+    cfg = parse_or_exit(CollectivesConfig, argv, __spec__.name)
+    rows = run(cfg)
+    fits = fit(rows)
+    s = summary(rows, fits)
+    print(table(rows), fit_table(rows, fits), sep="\n\n")
     print(f"\nall-reduce of {s['grad_mb']:.1f} MB ({GRADIENTS_OF} gradients): predicted "
           f"{s['grad_pred_ms']:.3f} ms, measured {s['grad_meas_ms']:.3f} ms")
+    if cfg.record:
+        print(f"wrote {records.write(RECORD, cfg, rows, __spec__.name, [WORKER])}")
 
 
 if __name__ == "__main__":

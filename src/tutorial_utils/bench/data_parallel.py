@@ -1,6 +1,6 @@
 """Data parallelism on one machine, measured side by side in one run.
 
-    python -m tutorial_utils.bench_data_parallel --gpus 2 --batch 256
+    python -m tutorial_utils.bench.data_parallel --gpus 2 --batch 256
 
 Times one training step of a Wide-ResNet (bf16 autocast, channels_last) at a fixed per-GPU
 batch: on one GPU (eager, and with CUDA graphs), with ``nn.DataParallel`` over N GPUs (cuDNN
@@ -11,17 +11,34 @@ a ring all-reduce at the measured bus bandwidth.
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
-from .devices import gpu_count
-from .parallel.ddp import ring_all_reduce_seconds
-from .report import legend_outside
-from .workload import LADDER, LadderSize, measure_rung, time_data_parallel, time_ddp
+from ..config import check, opt, parse_or_exit
+from ..devices import gpu_count
+from ..parallel.collectives import ring_all_reduce_seconds
+from . import records, workload
+from .report import Column, legend_outside, table
+from .workload import Workload
+
+RECORD = "04-data-parallel"
+
+
+@dataclass
+class DataParallelConfig(Workload):
+    """Data parallelism on one machine, measured side by side in one run."""
+
+    batch: int = opt(256, "images per GPU and step")
+    gpus: int = opt(2, "GPUs (or CPU processes, without them) for DataParallel and DDP")
+    graphs: bool = opt(True, "also time the network as CUDA graphs (GPU only)")
+    record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check((self.gpus >= 2, f"--gpus must be >= 2 (data parallelism needs two), got "
+               f"{self.gpus}"))
 
 
 @dataclass
@@ -34,30 +51,33 @@ class Row:
     note: str = ""
 
 
-def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], dict]:
+def run(size: DataParallelConfig) -> tuple[list[Row], dict]:
     """All measurements; returns the table rows and the record of the fastest DDP run, with
     the prediction of chapter 4's model for it."""
-    on_gpu = gpu_count() >= 1
+    n_gpus, graphs = size.gpus, size.graphs
+    # Everything on GPUs when there are enough for DDP, else everything in CPU processes.
+    device = "cuda" if gpu_count() >= n_gpus else "cpu"
+    on_gpu = device == "cuda"
     dev = torch.device("cuda:0" if on_gpu else "cpu")
-    singles = [measure_rung(LADDER[3], size, dev)]
+    singles = [workload.measure_rung(workload.LADDER[3], size, dev)]
     if graphs and on_gpu:
-        singles.append(measure_rung(LADDER[-1], size, dev))
+        singles.append(workload.measure_rung(workload.LADDER[-1], size, dev))
     rows = [Row(f"1 GPU, {r.rung.name.lstrip('+ ')}" if on_gpu else f"CPU, {r.rung.name}", 1,
                 r.timing.median_ms) for r in singles]
-    if gpu_count() >= n_gpus >= 2:
+    if on_gpu:
         for flag in (True, False):
-            ms = time_data_parallel(size, n_gpus, cudnn_benchmark=flag)
+            ms = workload.time_data_parallel(size, n_gpus, cudnn_benchmark=flag)
             rows.append(Row(f"DataParallel, cudnn.benchmark={flag}", n_gpus, ms))
     else:
         rows.append(Row("DataParallel", n_gpus, None, note=f"skipped: needs {n_gpus} GPUs"))
-    device = "cuda" if gpu_count() >= n_gpus else "cpu"
     # The same optimisation on both sides: eager DDP against the eager GPU, CUDA graphs
     # (torch.compile "reduce-overhead" inside DDP) against the CUDA-graph GPU.
     modes = {"eager": "none", "CUDA graphs": "reduce-overhead"} if graphs and on_gpu else {
         "eager": "none"}
-    records = {}
+    runs = {}
     for mode, compile_mode in modes.items():
-        rec = records[mode] = time_ddp(size, n_gpus, device, compile_mode) | {"mode": mode}
+        step = workload.ddp_step(size, device, compile_mode)
+        rec = runs[mode] = workload.time_ddp(step, n_gpus) | {"mode": mode}
         suffix = "" if mode == "eager" else f", {mode}"
         rows.append(Row(f"DDP{suffix}", n_gpus, rec["ddp_ms"]))
         rows.append(Row(f"DDP{suffix}, no_sync (compute only)", n_gpus, rec["no_sync_ms"]))
@@ -66,11 +86,11 @@ def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], 
         if r.step_ms:
             r.images_per_s = size.batch * r.gpus / r.step_ms * 1e3
             r.speedup = r.images_per_s / (size.batch / best * 1e3)
-    ddp = min(records.values(), key=lambda rec: rec["ddp_ms"])
+    ddp = min(runs.values(), key=lambda rec: rec["ddp_ms"])
     allreduce_ms = ring_all_reduce_seconds(ddp["grad_bytes"], n_gpus, ddp["bus_gbps"]) * 1e3
     ddp.update(best_single_ms=best, allreduce_ms=allreduce_ms,
-               eager_ddp_ms=records["eager"]["ddp_ms"],
-               eager_no_sync_ms=records["eager"]["no_sync_ms"],
+               eager_ddp_ms=runs["eager"]["ddp_ms"],
+               eager_no_sync_ms=runs["eager"]["no_sync_ms"],
                predicted_no_overlap_ms=ddp["no_sync_ms"] + allreduce_ms,
                predicted_full_overlap_ms=max(ddp["no_sync_ms"], allreduce_ms))
     for key in ("no_overlap", "full_overlap"):
@@ -79,7 +99,7 @@ def run(size: LadderSize, n_gpus: int, graphs: bool = True) -> tuple[list[Row], 
     return rows, ddp
 
 
-def summary(rows: list[Row], ddp: dict, size: LadderSize) -> dict[str, float | str]:
+def summary(rows: list[Row], ddp: dict, size: Workload) -> dict[str, float | str]:
     """Flat summary for chapter 4's prose (NaN where a run was skipped)."""
     nan = float("nan")
     by_name = {r.name: r for r in rows}
@@ -102,16 +122,26 @@ def summary(rows: list[Row], ddp: dict, size: LadderSize) -> dict[str, float | s
         "eager_ddp_x": n * best.step_ms / ddp["eager_ddp_ms"]}
 
 
-def table(rows: list[Row]) -> str:
-    w = max(len("run"), *(len(r.name) for r in rows)) + 2  # the columns line up whatever the names
-    lines = [f"{'run':<{w}}{'GPUs':>5}{'step (ms)':>11}{'images/s':>10}{'vs best 1-GPU':>15}"]
-    for r in rows:
-        if r.step_ms is None:
-            lines.append(f"{r.name:<{w}}{r.gpus:>5}  {r.note}")
-        else:
-            lines.append(f"{r.name:<{w}}{r.gpus:>5}{r.step_ms:>11.2f}{r.images_per_s:>10.0f}"
-                         f"{r.speedup:>14.2f}x")
-    return "\n".join(lines)
+COLUMNS = (Column("name", "run", width=42, left=True), Column("gpus", "GPUs", "d", 5),
+           Column("step_ms", "step (ms)", ".2f", 11), Column("images_per_s", "images/s", ".0f"),
+           Column("speedup", "vs best 1-GPU", ".2f", 15, unit="x"),
+           Column("note", "", width=2, left=True, missing=""))
+
+
+def table_of(rows: list[Row]) -> str:
+    return table([dataclasses.asdict(r) | {"note": f"  {r.note}" if r.note else ""}
+                  for r in rows], COLUMNS)
+
+
+def measured(cfg: DataParallelConfig) -> tuple[list[Row], dict, records.Source]:
+    """Chapter 4's timings: its record where there is one, else measured here; and where from."""
+    def measure() -> list[dict]:
+        rows, ddp = run(cfg)
+        return [dataclasses.asdict(r) for r in rows] + [ddp | {"kind": "ddp"}]
+
+    rows, source = records.read_or_measure(RECORD, measure, cfg)
+    return ([Row(**r) for r in rows if "kind" not in r],
+            next(r for r in rows if r.get("kind") == "ddp"), source)
 
 
 def plot(rows: list[Row], ddp: dict, title: str):
@@ -137,24 +167,17 @@ def plot(rows: list[Row], ddp: dict, title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wrn-28-10")
-    parser.add_argument("--batch", type=int, default=256, help="per-GPU batch")
-    parser.add_argument("--gpus", type=int, default=max(gpu_count(), 2))
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graphs run")
-    parser.add_argument("--json", type=Path, help="also write the results here")
-    args = parser.parse_args(argv)
-    size = LadderSize(args.model, args.batch, warmup=5, repeats=args.repeats)
-    rows, ddp = run(size, args.gpus, graphs=not args.no_graphs)
-    print(table(rows))
+    cfg = parse_or_exit(DataParallelConfig, argv, __spec__.name)
+    rows, ddp = run(cfg)
+    print(table_of(rows))
     print(f"\nall-reduce of {ddp['grad_bytes'] / 1e6:.0f} MB at {ddp['bus_gbps']:.0f} GB/s bus "
           f"bandwidth: {ddp['allreduce_ms']:.2f} ms; DDP speed-up predicted "
           f"{ddp['predicted_speedup_no_overlap']:.2f}x (no overlap) to "
           f"{ddp['predicted_speedup_full_overlap']:.2f}x (full overlap), "
           f"measured {ddp['measured_speedup']:.2f}x (DDP, {ddp['mode']})")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": [asdict(r) for r in rows], "ddp": ddp}))
+    if cfg.record:
+        rows_ = [dataclasses.asdict(r) for r in rows] + [ddp | {"kind": "ddp"}]
+        print(f"wrote {records.write(RECORD, cfg, rows_, __spec__.name, [workload.STEP_TIMING])}")
 
 
 if __name__ == "__main__":

@@ -1,22 +1,30 @@
-"""Chapter 5's training runs: the same recipe on 1..N GPUs, launched, summarised and compared.
+"""Training runs: the same recipe on 1..N GPUs, launched, summarised and compared.
 
 Each run is ``python -m tutorial_utils.train`` under ``torchrun`` (one process per GPU, or per
-CPU core without GPUs), configured by a :class:`~tutorial_utils.train.TrainConfig`; the
+CPU process without GPUs), configured by a :class:`~tutorial_utils.config.TrainConfig`; the
 per-epoch records it writes are read back. Speed is judged the way the field does
-(DAWNBench, MLPerf): the training time to reach a target test accuracy.
+(DAWNBench, MLPerf): the training time to reach a target test accuracy. The runs of chapters
+5, 5d and 5e are :class:`Job` lists built by one function each (:data:`PLANS`), so that the
+chapter and ``python -m tutorial_utils.bench.experiment --plan ... --record`` run the same ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from .launch import read_metrics, torchrun
+from ..config import REFERENCE_BATCH, Config, TrainConfig, check, opt, parse_or_exit
+from ..jsonl import read_jsonl
+from ..launch import torchrun
+from ..profiles import pick
+from . import records
 from .report import Column, legend_outside, table
-from .train import REFERENCE_BATCH, TrainConfig
 
 
 @dataclass
@@ -52,6 +60,13 @@ class TrainingRun:
         return self.epochs[-1]["test_acc"]
 
     @property
+    def command(self) -> str:
+        """The command line of the run, from the configuration its start record holds."""
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        cfg = TrainConfig(**{k: v for k, v in self.start["config"].items() if k in known})
+        return Job(self.processes, cfg, self.label).command()
+
+    @property
     def compile_s(self) -> float:
         """Compilation and graph capture before the clock started (every attempt's)."""
         return sum(s.get("compile_warmup_s", 0.0) for s in [self.start, *self.resumes])
@@ -77,8 +92,8 @@ def plan(n_gpus: int, profile: str) -> Plan:
     if n_gpus == 0:
         return Plan("cpu", "smoke", [1, 2], "no GPU: CPU processes at the smoke size")
     if n_gpus == 1:
-        return Plan("cuda", profile, [1], "one GPU: the multi-GPU rows need 2 GPUs and are "
-                    "left out")
+        return Plan("cuda", profile, [1], "one GPU: what needs two comes from a record of a "
+                    "two-GPU run")
     return Plan("cuda", profile, [1] + [n for n in (2, 4, 8) if n <= n_gpus], "")
 
 
@@ -92,7 +107,7 @@ def train(processes: int, cfg: TrainConfig, label: str = "", timeout_s: float = 
 
 def load_run(path: Path, label: str = "") -> TrainingRun:
     """A run from a stored metrics.jsonl (one made earlier, in one attempt or several)."""
-    return TrainingRun.from_records(read_metrics(path), label or path.parent.name)
+    return TrainingRun.from_records(read_jsonl(path), label or path.parent.name)
 
 
 def time_to_accuracy(run: TrainingRun, target: float) -> float:
@@ -200,16 +215,135 @@ def plot_curves(runs: list[TrainingRun], title: str, targets: tuple[float, ...] 
     return fig
 
 
-def steps_per_run(images: int, batch: int, epochs: int) -> int:
-    """Optimizer steps of a run that drops the last, incomplete batch of every epoch."""
-    return images // batch * epochs
+@dataclass
+class Job:
+    """One training run of a plan: how many processes, its configuration, its label."""
+
+    processes: int
+    cfg: TrainConfig
+    label: str
+
+    def command(self, width: int = 92) -> str:
+        """The command line that runs it, broken with `` \\`` before ``width`` characters."""
+        args = self.cfg.to_argv()
+        # an option and its value stay together
+        pairs = [(a, b) if b and not b.startswith("--") else (a,) for a, b in zip(
+            args, [*args[1:], None], strict=True) if a.startswith("--")]
+        lines = []
+        line = f"torchrun --standalone --nproc_per_node={self.processes} -m tutorial_utils.train"
+        for pair in pairs:
+            piece = " ".join(shlex.quote(p) for p in pair)
+            if len(line) + len(piece) + 3 > width:
+                lines.append(line + " \\")
+                line = "    "
+            line += (" " if line.strip() else "") + piece
+        return "\n".join([*lines, line])
 
 
-def epoch_seconds(step_ms: float, global_batch: int, images: int = 50_000) -> float:
-    """Exercise (chapter 5): an epoch's training time predicted from one step's time."""
-    return steps_per_run(images, global_batch, 1) * step_ms / 1e3
+def chapter5(machine: Plan, data: str) -> list[Job]:
+    """The post's recipe on each of ``machine.counts``, then the fast recipe on the most."""
+    size = pick(smoke=dict(depth=10, width=1, epochs=2), full=dict(depth=28, width=10,
+                epochs=10), profile=machine.profile)
+    post = TrainConfig(**size, batch=128, scaling="strong", data=data, checkpoint_every=0,
+                       seed=0, device=machine.device)
+    units, runs = machine.units, Path("runs/ch05")
+    jobs = [Job(n, dataclasses.replace(post, out=runs / f"strong-{n}"),
+                f"{n} {units[n > 1]}, {128 // n} images each") for n in machine.counts]
+    n = machine.counts[-1]
+    fast = dataclasses.replace(post, scaling="weak", step_graph=True, crop_pad=2,
+                               label_smoothing=0.1, tta=True, out=runs / f"fast-{n}",
+                               compile=pick(smoke="none", full="default", profile=machine.profile))
+    return jobs + [Job(n, fast, f"{n} {units[n > 1]}, fast recipe")]
 
 
-def wall_clock_speedup(reference_s: float, train_s: float, setup_s: float) -> float:
-    """Exercise (chapter 5): a speed-up whose clock also counts the faster run's set-up."""
-    return reference_s / (train_s + setup_s)
+def fast_recipe(machine: Plan, data: str, out: Path) -> TrainConfig:
+    """Chapter 5's fast recipe on one process (batch 128), the base of chapters 5d and 5e."""
+    size = pick(smoke=dict(depth=10, width=1, epochs=2), full=dict(depth=28, width=10,
+                epochs=10), profile=machine.profile)
+    return TrainConfig(**size, batch=128, step_graph=True, crop_pad=2, label_smoothing=0.1,
+                       tta=True, data=data, checkpoint_every=0, seed=0, device=machine.device,
+                       compile=pick(smoke="none", full="default", profile=machine.profile),
+                       out=out)
+
+
+def chapter5d(machine: Plan, data: str) -> list[Job]:
+    """The fast recipe for several epoch counts, each schedule stretched to fit."""
+    fast = fast_recipe(machine, data, Path("runs/ch05d/fast"))
+    epochs = pick(smoke=[1, 2], full=[11, 14, 17], profile=machine.profile)
+    return [Job(1, dataclasses.replace(fast, epochs=n, out=fast.out.with_name(f"fast-{n}ep")),
+                f"{n} epochs") for n in epochs]
+
+
+def chapter5e(machine: Plan, data: str) -> list[Job]:
+    """The fast recipe at larger global batches, the peak learning rate scaled by each rule."""
+    base = fast_recipe(machine, data, Path("runs/ch05e/fast"))
+    plan_ = pick(smoke=[(128, "linear"), (512, "linear"), (512, "sqrt")],
+                 full=[(128, "linear"), (256, "linear"), (512, "linear"), (1024, "linear"),
+                       (512, "sqrt"), (1024, "sqrt")], profile=machine.profile)
+    return [Job(1, with_batch(base, b, rule), f"{b}, {rule}") for b, rule in plan_]
+
+
+PLANS: dict[str, tuple[str, Callable[[Plan, str], list[Job]]]] = {
+    "05": ("05-wrn-runs", chapter5), "05d": ("05d-schedules", chapter5d),
+    "05e": ("05e-batches", chapter5e)}
+
+
+def run_jobs(jobs: list[Job]) -> list[TrainingRun]:
+    return [train(j.processes, j.cfg, j.label) for j in jobs]
+
+
+def rows_of(runs: list[TrainingRun]) -> list[dict]:
+    """Every record of every run, labelled, as a record of the book stores them; no machine
+    paths: the data source keeps its file name only."""
+    rows = []
+    for r in runs:
+        for line in [r.start, *r.resumes, *r.epochs]:
+            if "config" in line:
+                data = Path(line["config"]["data"]).name
+                line = line | {"config": line["config"] | {"data": data}}
+            rows.append(line | {"run": r.label})
+    return rows
+
+
+def from_rows(rows: list[dict]) -> list[TrainingRun]:
+    """The runs that :func:`rows_of` stored, in their order."""
+    labels = list(dict.fromkeys(r["run"] for r in rows))
+    return [TrainingRun.from_records([r for r in rows if r["run"] == label], label)
+            for label in labels]
+
+
+def measured(chapter: str, machine: Plan, data: str) -> tuple[list[TrainingRun], records.Source]:
+    """The runs of ``chapter``'s plan: its record where there is one, else trained here."""
+    name, make = PLANS[chapter]
+    rows, source = records.read_or_measure(name, lambda: rows_of(run_jobs(make(machine, data))))
+    return from_rows(rows), source
+
+
+@dataclass
+class ExperimentConfig(Config):
+    """Train the runs of chapter 5, 5d or 5e at full size and keep them as the chapter's record."""
+
+    plan: Literal["05", "05d", "05e"] = opt("05", "whose runs: chapter 5 (1 and N GPUs), 5d "
+                                            "(schedules) or 5e (batches)")
+    gpus: int = opt(2, "chapter 5's largest GPU count (5d and 5e run on one GPU)")
+    data: str = opt("auto", "CIFAR-10, as --data of the training entry point")
+    record: bool = opt(False, "write the runs as the chapter's record (book/data)")
+
+    def __post_init__(self) -> None:
+        check((self.gpus >= 1, f"--gpus must be >= 1, got {self.gpus}"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_or_exit(ExperimentConfig, argv, __spec__.name)
+    name, make = PLANS[cfg.plan]
+    machine = plan(cfg.gpus if cfg.plan == "05" else 1, "full")
+    runs = run_jobs(make(machine, cfg.data))
+    print(runs_table(runs, reference=runs[0]))
+    if cfg.record:  # the data's file name stands in the record, not where it lay
+        shown = dataclasses.replace(cfg, data=Path(cfg.data).name)
+        path = records.write(name, shown, rows_of(runs), __spec__.name, ["tutorial_utils.train"])
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

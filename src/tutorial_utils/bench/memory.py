@@ -12,11 +12,11 @@ import gc
 
 import torch
 
-from .memory import PARTS, Breakdown, breakdown, checkpointed, train_step, zero_table
-from .models import wide_resnet
+from ..memory import PARTS, Breakdown, breakdown, checkpointed, zero_table
+from ..models import wide_resnet
+from ..timing import benchmark, cudnn_autotuning
+from ..trainer import train_step
 from .report import Column, legend_outside, table
-from .timing import benchmark
-from .workload import cudnn_autotuning
 
 MiB, GiB = 2**20, 2**30
 LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",

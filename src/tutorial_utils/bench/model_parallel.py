@@ -1,7 +1,6 @@
 """Model parallelism measured in one run: single device, naive split, pipelined for each m.
 
-    python -m tutorial_utils.bench_model_parallel --model wrn-28-10 --batch 256 \\
-        --micro-batches 1 2 4 8 16 32
+    python -m tutorial_utils.bench.model_parallel --batch 2048 --micro-batches 1 2 4 8 16 32
 
 Times forward + backward of one batch (bf16 autocast, channels_last, cuDNN autotuning; no
 optimizer step) on one device, split across devices naively, and pipelined with m
@@ -9,24 +8,28 @@ micro-batches. The prediction for the pipeline is
 :func:`~tutorial_utils.parallel.model_parallel.pipeline_ms` of the stages timed alone on one
 micro-batch, t_s(b/m): for p equal stages the bubble model (m+p-1) t(b/m), with t(b/m)
 measured, so it includes the fixed cost per micro-batch (launches, copies) that makes large m
-stop paying.
+stop paying. ``--schedules`` also times ``torch.distributed.pipelining`` with one stage per
+process (:mod:`tutorial_utils.workers.pipeline_stage`), at ``--worker-micro-batches``.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
+import dataclasses
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .devices import devices_for
-from .models import wide_resnet
-from .parallel.model_parallel import (
+from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..devices import devices_for, gpu_count
+from ..launch import torchrun
+from ..models import wide_resnet
+from ..parallel.model_parallel import (
     ModelParallel,
     PipelinedModelParallel,
     balanced_boundaries,
@@ -35,9 +38,39 @@ from .parallel.model_parallel import (
     pipeline_ms,
     split_sequential,
 )
-from .report import legend_outside
-from .timing import benchmark
-from .workload import cudnn_autotuning
+from ..timing import benchmark, cudnn_autotuning
+from ..trainer import forward_loss
+from ..workers.pipeline_stage import PipelineConfig
+from . import records
+from .report import Column, legend_outside, table
+
+RECORD = "03-model-parallel"
+PIPELINE_WORKER = "tutorial_utils.workers.pipeline_stage"
+
+
+@dataclass
+class ModelParallelConfig(Config):
+    """Model parallelism measured in one run: one device, naive split, pipelined for each m."""
+
+    model: str = opt("wrn-28-10", "the network, WRN-depth-width")
+    batch: int = opt(2048, "images per step")
+    micro_batches: tuple[int, ...] = opt((1, 2, 4, 8, 16, 32), "the pipeline's m, each timed")
+    devices: int = opt(2, "stages, one per device (one device repeated without enough GPUs)")
+    repeats: int = opt(10, "timed steps of each run")
+    schedules: bool = opt(False, "also time GPipe and 1F1B with one stage per process")
+    worker_micro_batches: int = opt(8, "m of the one-stage-per-process pipelines")
+    record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
+
+    def __post_init__(self) -> None:
+        check_wrn(self.model)
+        ms = (*self.micro_batches, self.worker_micro_batches)
+        check((self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
+              (bool(self.micro_batches), "--micro-batches needs at least one m"),
+              (all(1 <= m <= self.batch for m in ms),
+               f"every m must be in 1..--batch ({self.batch}): a micro-batch holds at least "
+               f"one image, got {ms}"),
+              (self.devices >= 1, f"--devices must be >= 1, got {self.devices}"),
+              (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
 
 
 @dataclass
@@ -49,16 +82,6 @@ class PipelineRow:
 
     def speedup_over(self, naive_ms: float) -> float:
         return naive_ms / self.measured_ms
-
-
-def _fwd_bwd(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    def step() -> None:
-        with _autocast(x.device):
-            out = model(x)  # on the last stage's device when the model is split
-            loss = F.cross_entropy(out, y.to(out.device))
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-    return step
 
 
 def stage_times_ms(stages: nn.ModuleList, devices: list[torch.device], x: torch.Tensor,
@@ -79,7 +102,7 @@ def _autocast(dev: torch.device):
 
 
 def _stage_step(stage: nn.Module, inp: torch.Tensor):
-    def step() -> None:
+    def step() -> None:  # a stage alone has no loss: the sum of its output stands for one
         with _autocast(inp.device):
             out = stage(inp)
         out.float().sum().backward()
@@ -90,34 +113,39 @@ def _stage_step(stage: nn.Module, inp: torch.Tensor):
 # cuDNN times its algorithms for each new shape (each micro-batch size) during the warm-up
 # steps, as the torchrun stages of workers/pipeline_stage.py do: both pipelines run alike.
 @cudnn_autotuning()
-def run(model_name: str, batch: int, micro_batches: list[int], n_devices: int = 2,
-        repeats: int = 10) -> tuple[list[PipelineRow], list[torch.device]]:
-    devices = devices_for(n_devices)
+def run(cfg: ModelParallelConfig) -> tuple[list[PipelineRow], list[torch.device]]:
+    """One device, the naive split and each pipeline of ``cfg``, timed in this process."""
+    devices = devices_for(cfg.devices)
     torch.manual_seed(0)
-    base = wide_resnet(model_name).to(memory_format=torch.channels_last)
-    x = torch.randn(batch, 3, 32, 32).to(devices[0], memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (batch,), device=devices[0])
+    base = wide_resnet(cfg.model).to(memory_format=torch.channels_last)
+    x = torch.randn(cfg.batch, 3, 32, 32).to(devices[0], memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (cfg.batch,), device=devices[-1])  # where the logits come out
     # Stages of equal arithmetic, not equal parameter counts (see forward_flops).
-    starts = balanced_boundaries(base, n_devices, forward_flops(base, torch.randn(2, 3, 32, 32)))
+    starts = balanced_boundaries(base, cfg.devices,
+                                 forward_flops(base, torch.randn(2, 3, 32, 32)))
     one = copy.deepcopy(base).to(devices[0])
-    rows = [PipelineRow("1 device", None, _timed(one, x, y, devices[:1], repeats))]
+    rows = [PipelineRow("1 device", None, _timed(one, x, y.to(devices[0]), devices[:1],
+                                                 cfg.repeats))]
     naive = ModelParallel(copy.deepcopy(base), devices, starts)
-    rows.append(PipelineRow(f"naive split, {n_devices} devices", 1,
-                            _timed(naive, x, y, devices, repeats)))
+    rows.append(PipelineRow(f"naive split, {cfg.devices} devices", 1,
+                            _timed(naive, x, y, devices, cfg.repeats)))
     stages = split_sequential(copy.deepcopy(base), devices, starts)
-    for m in micro_batches:
-        predicted = pipeline_ms(stage_times_ms(stages, devices, x[: batch // m], repeats), m)
+    for m in cfg.micro_batches:
+        predicted = pipeline_ms(stage_times_ms(stages, devices, x[: cfg.batch // m],
+                                               cfg.repeats), m)
         pipe = PipelinedModelParallel(copy.deepcopy(base), devices, micro_batches=m,
                                       starts=starts)
-        rows.append(PipelineRow(f"pipelined, m={m}", m, _timed(pipe, x, y, devices, repeats),
-                                predicted))
+        rows.append(PipelineRow(f"pipelined, m={m}", m,
+                                _timed(pipe, x, y, devices, cfg.repeats), predicted))
     return rows, devices
 
 
 def _timed(model: nn.Module, x, y, devices, repeats: int) -> float:
     """Median ms of a step spanning several devices: CUDA events on one device would miss the
     work of the others (backward ends on the first), so wait for all of them around each."""
-    step = _fwd_bwd(model, x, y)
+    def step() -> None:
+        forward_loss(model, x, y, bf16=x.device.type == "cuda")[1].backward()
+        model.zero_grad(set_to_none=True)
 
     def sync_all() -> None:
         for d in {d for d in devices if d.type == "cuda"}:
@@ -135,16 +163,76 @@ def _timed(model: nn.Module, x, y, devices, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def table(rows: list[PipelineRow], stages: int) -> str:
+def pipeline_worker(cfg: PipelineConfig, nproc: int = 2) -> dict:
+    """What :mod:`~tutorial_utils.workers.pipeline_stage` measured with ``cfg`` in ``nproc``
+    processes (its ``out`` replaced by a temporary file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dataclasses.replace(cfg, out=Path(tmp) / "pipeline.jsonl")
+        return torchrun(PIPELINE_WORKER, cfg.to_argv(), nproc=nproc, timeout_s=900,
+                        metrics_file=cfg.out, echo=False).metrics[0]
+
+
+def schedule_times(cfg: ModelParallelConfig, device: str) -> dict[str, dict]:
+    """GPipe and 1F1B with one stage per process, timed as the in-process pipeline is."""
+    return {s: pipeline_worker(PipelineConfig(
+        model=cfg.model, batch=cfg.batch, micro_batches=cfg.worker_micro_batches, schedule=s,
+        device=device, repeats=cfg.repeats), nproc=cfg.devices) for s in ("gpipe", "1f1b")}
+
+
+def rows_of(rows: list[PipelineRow], schedules: dict[str, dict]) -> list[dict]:
+    """The measurements as plain rows, as a record stores them."""
+    return [dataclasses.asdict(r) | {"kind": "in_process"} for r in rows] + [
+        rec | {"kind": "schedule"} for rec in schedules.values()]
+
+
+def from_rows(rows: list[dict]) -> tuple[list[PipelineRow], dict[str, dict]]:
+    """What :func:`rows_of` stored, back as the benchmark's results."""
+    fields = {f.name for f in dataclasses.fields(PipelineRow)}
+    timed = [PipelineRow(**{k: v for k, v in r.items() if k in fields})
+             for r in rows if r["kind"] == "in_process"]
+    return timed, {r["schedule"]: r for r in rows if r["kind"] == "schedule"}
+
+
+def measured(cfg: ModelParallelConfig) -> tuple[list[PipelineRow], dict[str, dict], records.Source]:
+    """Chapter 3's timings: its record where there is one, else measured here; and where from."""
+    def measure() -> list[dict]:
+        rows, _ = run(cfg)
+        device = "cuda" if gpu_count() >= cfg.devices else "cpu"
+        return rows_of(rows, schedule_times(cfg, device) if cfg.schedules else {})
+
+    rows, source = records.read_or_measure(RECORD, measure, cfg)
+    return (*from_rows(rows), source)
+
+
+COLUMNS = (Column("name", "run", width=26, left=True), Column("ms", "ms", ".2f", 9),
+           Column("x", "vs naive", ".2f", 10, unit="x"), Column("pred", "predicted", ".2f", 11),
+           Column("err", "error", "+.1%", 8), Column("bubble", "bubble", ".1%", 8))
+
+
+def table_of(rows: list[PipelineRow], stages: int) -> str:
     naive = rows[1].measured_ms
-    lines = [f"{'run':<28}{'ms':>9}{'vs naive':>10}{'predicted':>11}{'error':>8}{'bubble':>8}"]
-    for r in rows:
-        pred = f"{r.predicted_ms:>11.2f}" if r.predicted_ms else f"{'':>11}"
-        err = f"{r.measured_ms / r.predicted_ms - 1:>+8.1%}" if r.predicted_ms else f"{'':>8}"
-        bub = f"{bubble_fraction(stages, r.micro_batches):>8.1%}" if r.micro_batches else ""
-        lines.append(f"{r.name:<28}{r.measured_ms:>9.2f}{r.speedup_over(naive):>9.2f}x"
-                     f"{pred}{err}{bub}")
-    return "\n".join(lines)
+    return table([{"name": r.name, "ms": r.measured_ms, "x": r.speedup_over(naive),
+                   "pred": r.predicted_ms,
+                   "err": r.measured_ms / r.predicted_ms - 1 if r.predicted_ms else None,
+                   "bubble": bubble_fraction(stages, r.micro_batches) if r.micro_batches
+                   else None} for r in rows], COLUMNS)
+
+
+def summary(rows: list[PipelineRow]) -> dict[str, float | int]:
+    """Flat numbers for chapter 3's prose: the naive split, the best pipeline, the prediction."""
+    single, naive, piped = rows[0], rows[1], rows[2:]
+    best = min(piped, key=lambda r: r.measured_ms)
+    return {"single_ms": single.measured_ms, "naive_ms": naive.measured_ms,
+           "naive_vs_single": single.measured_ms / naive.measured_ms,
+           "best_m": best.micro_batches, "best_ms": best.measured_ms,
+           "best_vs_naive": naive.measured_ms / best.measured_ms,
+           "best_vs_single": single.measured_ms / best.measured_ms,
+           "best_pred_ms": best.predicted_ms,
+           "best_err": abs(best.measured_ms / best.predicted_ms - 1) * 100,
+           "worst_err": max(abs(r.measured_ms / r.predicted_ms - 1) for r in piped) * 100,
+           "m1_vs_naive": naive.measured_ms / piped[0].measured_ms,
+           "largest_m": piped[-1].micro_batches,
+           "largest_m_vs_naive": naive.measured_ms / piped[-1].measured_ms}
 
 
 def plot(rows: list[PipelineRow], stages: int, title: str):
@@ -172,16 +260,18 @@ def plot(rows: list[PipelineRow], stages: int, title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wrn-28-10")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
-    parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args(argv)
-    rows, devices = run(args.model, args.batch, args.micro_batches, args.devices, args.repeats)
-    print(f"{args.model.upper()}, batch {args.batch}, devices {[str(d) for d in devices]}")
-    print(table(rows, args.devices))
+    cfg = parse_or_exit(ModelParallelConfig, argv, __spec__.name)
+    rows, devices = run(cfg)
+    device = "cuda" if gpu_count() >= cfg.devices else "cpu"
+    schedules = schedule_times(cfg, device) if cfg.schedules else {}
+    print(f"{cfg.model.upper()}, batch {cfg.batch}, devices {[str(d) for d in devices]}")
+    print(table_of(rows, cfg.devices))
+    for name, rec in schedules.items():
+        print(f"{name}: {rec['step_ms']:.1f} ms per step, one stage per process ({device})")
+    if cfg.record:
+        path = records.write(RECORD, cfg, rows_of(rows, schedules), __spec__.name,
+                             [PIPELINE_WORKER])
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .timing import benchmark
-from .workload import LADDER, LadderSize, Rung, RungResult, make_train_step, measure_rung
+from ..timing import benchmark
+from .report import Column, table
+from .workload import LADDER, Rung, RungResult, Workload, make_train_step, measure_rung
 
 
 def measure_ladder(
-    size: LadderSize, device: torch.device, rungs: tuple[Rung, ...] = LADDER
+    size: Workload, device: torch.device, rungs: tuple[Rung, ...] = LADDER
 ) -> list[RungResult]:
     """Measure every rung in order (cuDNN autotuning on: the shapes never change)."""
     return [measure_rung(r, size, device) for r in rungs]
@@ -35,22 +36,20 @@ def host_to_device_gbps(
     return nbytes / timing.median_ms / 1e6
 
 
+LADDER_COLUMNS = (Column("rung", "rung", width=18, left=True), Column("ms", "step (ms)", ".2f", 11),
+                  Column("iqr", "IQR", ".1%", 7), Column("host", "queue (ms)", ".2f", 12),
+                  Column("ips", "images/s", ".0f"), Column("x", "speed-up", ".2f", unit="x"),
+                  Column("note", "", width=2, left=True, missing=""))
+
 
 def ladder_table(results: list[RungResult]) -> str:
     """Rung, median step time and spread, host queueing time, images/s, speed-up over rung 1."""
-    base = results[0].timing.median_ms if results[0].timing else None
-    header = f"{'rung':<18}{'step (ms)':>11}{'IQR':>7}{'queue (ms)':>12}{'images/s':>10}"
-    lines = [header + f"{'speed-up':>10}"]
-    for r in results:
-        if r.timing is None:
-            lines.append(f"{r.rung.name:<18}  skipped: {r.skipped}")
-            continue
-        speedup = f"{base / r.timing.median_ms:.2f}x" if base else "-"
-        lines.append(
-            f"{r.rung.name:<18}{r.timing.median_ms:>11.2f}{r.timing.spread:>7.1%}"
-            f"{r.host_ms:>12.2f}{r.images_per_s:>10.0f}{speedup:>10}"
-        )
-    return "\n".join(lines)
+    base = results[0].timing.median_ms
+    rows = [{"rung": r.rung.name, "note": f"  skipped: {r.skipped}"} if r.timing is None else
+            {"rung": r.rung.name, "ms": r.timing.median_ms, "iqr": r.timing.spread,
+             "host": r.host_ms, "ips": r.images_per_s, "x": base / r.timing.median_ms}
+            for r in results]
+    return table(rows, LADDER_COLUMNS)
 
 
 def plot_ladder(results: list[RungResult], title: str):
@@ -74,7 +73,7 @@ def plot_ladder(results: list[RungResult], title: str):
     return fig
 
 
-def step_tflop(size: LadderSize, device: torch.device) -> float:
+def step_tflop(size: Workload, device: torch.device) -> float:
     """Floating-point operations of one training step (forward + backward), in TFLOP."""
     from torch.utils.flop_counter import FlopCounterMode
 

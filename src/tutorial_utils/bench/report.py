@@ -1,17 +1,16 @@
-"""What every benchmark does with its results: a table, JSON lines, a figure title, glue.
+"""What every benchmark does with its results: a table, a figure title and legend, glue.
 
-Each chapter's benchmark module measures; this module only presents. A benchmark's
+Each chapter's benchmark module measures; this module only presents. :func:`table` is the one
+table builder (fixed-width text from rows and :class:`Column` specs). A benchmark's
 ``summary()`` returns a flat ``{name: number or text}`` dict, and a notebook hands it to
 :func:`glue_summary` in one call, so the prose can quote every value with ``{glue:text}``.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -21,13 +20,15 @@ class Column:
     fmt: str = ""  # a format spec such as ".2f", or "" for str()
     width: int = 10
     left: bool = False
+    unit: str = ""  # written after each value, such as "x" for a ratio
+    missing: str = "-"  # written where a row has no value
 
 
 def cell(value: object, col: Column) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
-        text = "-"
+        text = col.missing
     else:
-        text = format(value, col.fmt) if col.fmt else str(value)
+        text = (format(value, col.fmt) if col.fmt else str(value)) + col.unit
     return f"{text:<{col.width}}" if col.left else f"{text:>{col.width}}"
 
 
@@ -39,18 +40,10 @@ def table(rows: Iterable[Mapping[str, object]], columns: Sequence[Column]) -> st
     return "\n".join(line.rstrip() for line in lines)
 
 
-def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
-    """Append ``records`` to ``path``, one JSON object per line."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for r in records:
-            f.write(json.dumps(r) + "\n")
-
-
 def figure_title(what: str, gpus: int | None = None) -> str:
     """``what`` followed by the hardware it was measured on (``2 x NVIDIA H200``); ``gpus``
     names how many of the machine's GPUs the figure's runs used (``1 x NVIDIA H200``)."""
-    from .stamp import environment_stamp
+    from ..stamp import environment_stamp
 
     stamp = environment_stamp()
     if gpus is None or not stamp.is_gpu:

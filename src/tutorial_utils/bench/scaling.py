@@ -1,6 +1,6 @@
 """The scaling benchmark of chapter 5b: a Wide-ResNet on one GPU and on N with DDP.
 
-    python -m tutorial_utils.bench_scaling --gpus 2 4 --json runs/bench.json
+    python -m tutorial_utils.bench.scaling --gpus 2 4
 
 Strong scaling keeps the global batch (the Torch7 post split its 128 across the GPUs); weak
 scaling keeps the per-GPU batch. Each regime runs eager, with CUDA graphs of the network
@@ -14,23 +14,61 @@ the same run.
 
 from __future__ import annotations
 
-import argparse
-import json
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from pathlib import Path
+import dataclasses
+import sys
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-from .devices import NotEnoughGPUsError, gpu_count, require_gpus
-from .parallel.ddp import ring_all_reduce_seconds
-from .report import legend_outside
-from .workload import LADDER, LadderSize, measure_rung, time_data_parallel, time_ddp
+from ..config import Config, ConfigError, check, opt, parse_or_exit
+from ..devices import NotEnoughGPUsError, gpu_count, require_gpus
+from ..parallel.collectives import ring_all_reduce_seconds
+from . import records
+from .report import Column, legend_outside, table
+from .workload import (
+    LADDER,
+    STEP_TIMING,
+    Workload,
+    ddp_step,
+    measure_rung,
+    time_data_parallel,
+    time_ddp,
+)
 
+RECORD = "05b-scaling"
 TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
 STEP_GRAPH = "step graph"  # measured by workers.step_timing in 1 or N processes alike
 GPU_ONLY_MODES = ("CUDA graphs", STEP_GRAPH)
+Mode = Literal["eager", "CUDA graphs", "step graph"]
+
+
+@dataclass
+class ScalingConfig(Config):
+    """The scaling benchmark of chapter 5b: a Wide-ResNet on one GPU and on N with DDP."""
+
+    model: str = opt("wrn-28-10", "the network, WRN-depth-width")
+    warmup: int = opt(5, "untimed steps before each timing")
+    repeats: int = opt(20, "timed steps of each run; the median is reported")
+    gpus: tuple[int, ...] = opt((2,), "GPU counts to scale to, e.g. 2 4 8")
+    global_batch: int = opt(128, "the global batch of strong scaling")
+    per_gpu_batch: int = opt(128, "the per-GPU batch of weak scaling")
+    modes: tuple[Mode, ...] = opt(("eager", "CUDA graphs", "step graph"), "how each step runs")
+    data_parallel: bool = opt(True, "also time nn.DataParallel (GPUs only)")
+    device: Literal["auto", "cpu", "cuda"] = opt(
+        "auto", "cuda, or cpu for CPU processes in place of GPUs (auto: cuda if there is one)")
+    record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
+
+    def __post_init__(self) -> None:
+        Workload(self.model, 1, self.warmup, self.repeats)  # the same rules as every step
+        check((bool(self.gpus) and min(self.gpus) >= 2,
+               f"--gpus: scaling needs 2 or more GPUs per run, got {self.gpus}"),
+              (bool(self.modes), "--modes needs at least one mode"),
+              (min(self.global_batch, self.per_gpu_batch) >= 1, "the batches must be >= 1"))
+        if bad := [n for n in self.gpus if self.global_batch % n]:
+            raise ConfigError(f"--global-batch {self.global_batch} is not divisible by {bad[0]} "
+                              "GPUs")
 
 
 @dataclass
@@ -54,62 +92,56 @@ class Run:
         return TRAIN_IMAGES / self.images_per_s
 
 
-def single(model: str, batch: int, mode: str, repeats: int, device: str) -> Run:
+def single(cfg: ScalingConfig, batch: int, mode: str, device: str) -> Run:
+    size = Workload(cfg.model, batch, cfg.warmup, cfg.repeats)
     if mode == STEP_GRAPH:
-        rec = time_ddp(LadderSize(model, batch, 5, repeats), 1, device, "default", capture=True)
+        rec = time_ddp(ddp_step(size, device, "default", capture=True), 1)
         return Run("single", "1 GPU", mode, 1, batch, rec["ddp_ms"])
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     # A fresh compilation per batch size: otherwise the second size recompiles the network
     # with a symbolic batch dimension, which is slower than either specialised graph.
     torch.compiler.reset()
-    result = measure_rung(MODES[mode], LadderSize(model, batch, 5, repeats), dev)
+    result = measure_rung(MODES[mode], size, dev)
     if result.timing is None:
         raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
     return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
 
 
-def ddp_run(model: str, per_gpu: int, n: int, mode: str, repeats: int, regime: str,
+def ddp_run(cfg: ScalingConfig, per_gpu: int, n: int, mode: str, regime: str,
             device: str) -> Run:
-    size = LadderSize(model, per_gpu, 5, repeats)
+    size = Workload(cfg.model, per_gpu, cfg.warmup, cfg.repeats)
     if mode == STEP_GRAPH:
-        rec = time_ddp(size, n, device, "default", capture=True)
-    else:
-        compile_mode = MODES[mode].compile_mode or "none"  # the same step as the single GPU's
-        rec = time_ddp(size, n, device, compile_mode)
+        rec = time_ddp(ddp_step(size, device, "default", capture=True), n)
+    else:  # the same step as the single GPU's
+        rec = time_ddp(ddp_step(size, device, MODES[mode].compile_mode or "none"), n)
     ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
     return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
                predicted_ms=rec["no_sync_ms"] + ring_ms)
 
 
-def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int = 128,
-        per_gpu_batch: int = 128, modes: tuple[str, ...] = ("eager", "CUDA graphs"),
-        repeats: int = 20, data_parallel: bool = True, device: str | None = None) -> list[Run]:
-    """Every run of the benchmark for each GPU count in ``gpus``, with its speed-ups.
+def run(cfg: ScalingConfig) -> list[Run]:
+    """Every run of the benchmark for each GPU count of ``cfg``, with its speed-ups.
 
-    ``device`` "cpu" makes the "GPUs" CPU processes (the default without GPUs); on "cuda"
-    (the default with GPUs) asking for more GPUs than there are is an error rather than a
-    silent run on the CPU.
+    ``cfg.device`` "cpu" makes the "GPUs" CPU processes (the default without GPUs), where the
+    GPU-only modes are left out; on "cuda", asking for more GPUs than there are is an error
+    rather than a silent run on the CPU.
     """
-    device = device or ("cuda" if gpu_count() else "cpu")
-    for n in gpus:  # every setting checked before any GPU count: the same error everywhere
-        if n < 2:
-            raise ValueError(f"scaling needs 2 or more GPUs per run, got {n}")
-        if global_batch % n:
-            raise ValueError(f"global batch {global_batch} is not divisible by {n} GPUs")
+    device = cfg.device if cfg.device != "auto" else "cuda" if gpu_count() else "cpu"
+    modes = [m for m in cfg.modes if device == "cuda" or m not in GPU_ONLY_MODES] or ["eager"]
     if device == "cuda":
-        require_gpus(max(gpus))
+        require_gpus(max(cfg.gpus))
+    g, b = cfg.global_batch, cfg.per_gpu_batch
     # The single-GPU references, plus the per-GPU batch of strong scaling on two GPUs.
-    batches = sorted({global_batch, per_gpu_batch, global_batch // 2})
-    runs = [single(model, b, m, repeats, device) for b in batches for m in modes]
-    for n in gpus:
-        for regime, per_gpu in (("strong", global_batch // n), ("weak", per_gpu_batch)):
-            runs += [ddp_run(model, per_gpu, n, mode, repeats, regime, device) for mode in modes]
-            if data_parallel and device == "cuda":
-                size = LadderSize(model, per_gpu, 5, repeats)
-                ms = time_data_parallel(size, n, cudnn_benchmark=False)
+    runs = [single(cfg, batch, m, device) for batch in sorted({g, b, g // 2}) for m in modes]
+    for n in cfg.gpus:
+        for regime, per_gpu in (("strong", g // n), ("weak", b)):
+            runs += [ddp_run(cfg, per_gpu, n, mode, regime, device) for mode in modes]
+            if cfg.data_parallel and device == "cuda":
+                ms = time_data_parallel(Workload(cfg.model, per_gpu, cfg.warmup, cfg.repeats), n,
+                                        cudnn_benchmark=False)
                 runs.append(Run(regime, "DataParallel", "eager", n, per_gpu, ms))
     for r in (r for r in runs if r.regime != "single"):
-        reference = global_batch if r.regime == "strong" else per_gpu_batch
+        reference = g if r.regime == "strong" else b
         best = min(s.step_ms for s in runs if s.regime == "single" and s.per_gpu_batch == reference)
         best_rate = reference / best  # images per ms of the best single-GPU run
         images = r.per_gpu_batch * r.gpus
@@ -117,6 +149,13 @@ def run(model: str = "wrn-28-10", gpus: Sequence[int] = (2,), global_batch: int 
         if r.predicted_ms:
             r.predicted = images / r.predicted_ms / best_rate
     return runs
+
+
+def measured(cfg: ScalingConfig) -> tuple[list[Run], records.Source]:
+    """Chapter 5b's runs: its record where there is one, else measured here; and where from."""
+    rows, source = records.read_or_measure(
+        RECORD, lambda: [dataclasses.asdict(r) for r in run(cfg)], cfg)
+    return [Run(**r) for r in rows], source
 
 
 def best_run(runs: list[Run], regime: str, method: str = "DDP", mode: str | None = None,
@@ -159,29 +198,19 @@ def summary(runs: list[Run], global_batch: int) -> dict[str, float | str | int]:
     return out
 
 
-def strong_ceiling(runs: list[Run], global_batch: int, n: int) -> float:
-    """Exercise (chapter 5b): the strong-scaling speed-up of ``n`` GPUs if communication were free.
-
-    Each GPU would take the best single-GPU step at ``global_batch // n`` images, and one GPU
-    takes its best step at ``global_batch``: the ratio of the two is the ceiling.
-    """
-    whole = best_run(runs, "single", "1 GPU", batch=global_batch)
-    part = best_run(runs, "single", "1 GPU", batch=global_batch // n)
-    if whole is None or part is None:
-        raise ValueError(f"needs single-GPU runs at {global_batch} and {global_batch // n} images")
-    return whole.step_ms / part.step_ms
+COLUMNS = (Column("regime", "regime", width=8, left=True),
+           Column("method", "method", width=14, left=True),
+           Column("mode", "mode", width=13, left=True), Column("gpus", "GPUs", "d", 5),
+           Column("per_gpu_batch", "batch/GPU", "d", 10), Column("step_ms", "step ms", ".2f", 9),
+           Column("images_per_s", "img/s", ".0f", 8), Column("epoch_s", "epoch s", ".2f", 9),
+           Column("speedup", "speed-up", ".2f", 10, unit="x", missing=""),
+           Column("predicted", "predicted", ".2f", 11, unit="x", missing=""))
 
 
-def table(runs: list[Run]) -> str:
-    head = (f"{'regime':<8}{'method':<14}{'mode':<13}{'GPUs':>5}{'batch/GPU':>10}{'step ms':>9}"
-            f"{'img/s':>8}{'epoch s':>9}{'speed-up':>10}{'predicted':>11}")
-    lines = [head]  # epoch s: the 50,000 training images at this rate
-    for r in runs:
-        sp = f"{r.speedup:>9.2f}x" if r.speedup else f"{'':>10}"
-        pr = f"{r.predicted:>10.2f}x" if r.predicted else ""
-        lines.append(f"{r.regime:<8}{r.method:<14}{r.mode:<13}{r.gpus:>5}{r.per_gpu_batch:>10}"
-                     f"{r.step_ms:>9.2f}{r.images_per_s:>8.0f}{r.epoch_s:>9.2f}{sp}{pr}")
-    return "\n".join(lines)
+def table_of(runs: list[Run]) -> str:
+    """One line per run; epoch s: the 50,000 training images at this rate."""
+    return table([dataclasses.asdict(r) | {"images_per_s": r.images_per_s, "epoch_s": r.epoch_s}
+                  for r in runs], COLUMNS)
 
 
 def plot(runs: list[Run], title: str):
@@ -218,32 +247,19 @@ def plot(runs: list[Run], title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wrn-28-10")
-    parser.add_argument("--gpus", type=int, nargs="+", default=[max(gpu_count(), 2)],
-                        help="GPU counts to scale to, e.g. 2 4 8")
-    parser.add_argument("--global-batch", type=int, default=128, help="strong scaling")
-    parser.add_argument("--per-gpu-batch", type=int, default=128, help="weak scaling")
-    parser.add_argument("--modes", nargs="+", choices=[*MODES, STEP_GRAPH],
-                        default=[*MODES, STEP_GRAPH])
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--no-data-parallel", action="store_true", help="skip nn.DataParallel")
-    parser.add_argument("--json", type=Path, help="write the results here too")
-    args = parser.parse_args(argv)
-    modes = tuple(args.modes)
-    if gpu_count() == 0 and set(modes) & set(GPU_ONLY_MODES):
-        print("no GPU: the CUDA-graph runs are skipped")
-        modes = tuple(m for m in modes if m not in GPU_ONLY_MODES) or ("eager",)
+    cfg = parse_or_exit(ScalingConfig, argv, __spec__.name)
+    if gpu_count() == 0 and set(cfg.modes) & set(GPU_ONLY_MODES):
+        print("no GPU: the CUDA-graph runs are left out")
     try:
-        runs = run(args.model, args.gpus, args.global_batch, args.per_gpu_batch, modes,
-                   args.repeats, data_parallel=not args.no_data_parallel)
-    except (ValueError, NotEnoughGPUsError) as err:
-        parser.error(str(err))
-    print(table(runs))
+        runs = run(cfg)
+    except NotEnoughGPUsError as err:
+        print(f"python -m tutorial_utils.bench.scaling: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(table_of(runs))
     print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    if cfg.record:
+        rows = [dataclasses.asdict(r) for r in runs]
+        print(f"wrote {records.write(RECORD, cfg, rows, __spec__.name, [STEP_TIMING])}")
 
 
 if __name__ == "__main__":

@@ -19,20 +19,25 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from .workload import Workload
+
 HOST_OPS, LAUNCHES, GLOO = "host: PyTorch operators", "host: CUDA calls", "gloo collectives"
 COMPUTE, NCCL, COPIES = "GPU: compute kernels", "GPU: NCCL kernels", "GPU: copies, memsets"
 COLOURS = {HOST_OPS: "0.6", LAUNCHES: "C1", GLOO: "C3", COMPUTE: "C0", NCCL: "C3", COPIES: "C2"}
 STEP = re.compile(r"^step \d+$")  # the worker's record_function around each profiled step
+# A thread the profiler names after the interpreter (python, python3, python3.12) has no
+# name of its own; a process's main thread (tid == pid) is labelled as such on any machine.
+INTERPRETER = re.compile(r"^python[\d.]*$")
 
 
-def record(model: str, batch: int, n: int, device: str, graphed: bool, trace: Path,
-           repeats: int = 10) -> dict:
-    """Time and profile one DDP configuration with :mod:`~tutorial_utils.workers.step_timing`
-    in ``n`` processes (a step graph when ``graphed``); rank 0's Chrome trace goes to ``trace``."""
-    from .workload import LadderSize, time_ddp
+def record(size: Workload, n: int, device: str, graphed: bool, trace: Path) -> dict:
+    """Time and profile one DDP configuration with
+    :mod:`~tutorial_utils.bench.workers.step_timing` in ``n`` processes (a step graph when
+    ``graphed``); rank 0's Chrome trace goes to ``trace``."""
+    from .workload import ddp_step, time_ddp
 
-    return time_ddp(LadderSize(model, batch, warmup=5, repeats=repeats), n, device,
-                    "default" if graphed else "none", capture=graphed, trace=trace)
+    return time_ddp(ddp_step(size, device, "default" if graphed else "none", capture=graphed,
+                             trace=trace), n)
 
 
 def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:
@@ -41,7 +46,7 @@ def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from .timing import synchronize
+    from ..timing import synchronize
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -96,7 +101,8 @@ def rows(events: list[dict]) -> dict[str, list[tuple[float, float, str]]]:
     names: dict[tuple, str] = {}
     for e in (e for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"):
         name = re.sub(r"^thread \d+ \((.+)\)$", r"\1", e["args"]["name"].strip())
-        if names.get(key := (e.get("pid"), e.get("tid")), "python") == "python":
+        key = (e.get("pid"), e.get("tid"))
+        if key not in names or INTERPRETER.match(names[key]):
             names[key] = name  # a thread named twice keeps its own name, not its parent's
     found: dict[tuple, list[tuple[float, float, str]]] = {}
     for e in events:
@@ -108,7 +114,7 @@ def rows(events: list[dict]) -> dict[str, list[tuple[float, float, str]]]:
     # Host before GPU; a process's main thread (tid == pid) first; then by number.
     for gpu, pid, tid in sorted(found, key=lambda k: (k[0], f"{k[1]:>12}", k[2] != k[1],
                                                       f"{k[2]:>12}")):
-        label = (f"GPU {pid}, stream {tid}" if gpu
+        label = (f"GPU {pid}, stream {tid}" if gpu else "host: main thread" if tid == pid
                  else f"host: {names.get((pid, tid), f'thread {tid}')}")
         same = sum(existing.split(" #")[0] == label for existing in out)  # threads of one name
         out[f"{label} #{same + 1}" if same else label] = found[(gpu, pid, tid)]

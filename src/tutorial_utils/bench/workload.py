@@ -1,28 +1,79 @@
 """What the benchmarks time: one training step of a Wide-ResNet on a fixed batch.
 
 Chapter 2's ladder, chapter 4's DataParallel/DDP comparison and chapter 5b's scaling benchmark
-all time the same step (forward, loss, backward, SGD update), so they build it here:
-:func:`make_train_step` in this process for each :class:`Rung` of optimisations,
-:func:`time_data_parallel` with ``nn.DataParallel``, and :func:`time_ddp` in N processes under
-torchrun (:mod:`tutorial_utils.workers.step_timing`).
+all time the same step (forward, loss, backward, SGD update:
+:func:`tutorial_utils.trainer.train_step`), so they build it here: :func:`make_train_step` in
+this process for each :class:`Rung` of optimisations, :func:`time_data_parallel` with
+``nn.DataParallel``, and :func:`time_ddp` in N processes under torchrun
+(:mod:`tutorial_utils.bench.workers.step_timing`, configured by a :class:`StepTimingConfig`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .launch import torchrun
-from .models import wide_resnet
-from .parallel.data_parallel import make_data_parallel
-from .timing import Timing, benchmark, cold_call_ms, host_clock_without_sync, synchronize
+from ..config import Config, check, check_wrn, opt
+from ..launch import torchrun
+from ..models import wide_resnet
+from ..parallel.data_parallel import make_data_parallel
+from ..timing import (
+    Timing,
+    benchmark,
+    cold_call_ms,
+    cudnn_autotuning,
+    host_clock_without_sync,
+    synchronize,
+    tf32_enabled,
+)
+from ..trainer import train_step
+
+STEP_TIMING = "tutorial_utils.bench.workers.step_timing"
+
+
+@dataclass
+class Workload(Config):
+    """One training step of a Wide-ResNet on a fixed random batch, timed after a warm-up."""
+
+    model: str = opt("wrn-28-10", "the network, WRN-depth-width")
+    batch: int = opt(128, "images per step (per process under DDP)")
+    warmup: int = opt(5, "untimed steps first")
+    repeats: int = opt(20, "timed steps; the median is reported")
+
+    def __post_init__(self) -> None:
+        check_wrn(self.model)
+        check((self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
+              (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
+              (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
+
+
+@dataclass
+class StepTimingConfig(Workload):
+    """Time a DDP training step of a Wide-ResNet, with and without its all-reduce."""
+
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    compile: Literal["none", "default", "reduce-overhead"] = opt(
+        "none", "torch.compile mode of the network inside DDP")
+    optimizer: Literal["foreach", "fused"] = opt(
+        "foreach", "SGD as a few multi-tensor kernels (as chapter 2's ladder) or one pass over "
+        "each tensor (as train.py)")
+    capture: bool = opt(False, "record each whole step as one CUDA graph (GPU only; with "
+                        "--optimizer fused)")
+    trace: Path | None = opt(None, "rank 0 also writes a profiler trace of a few steps here")
+    out: Path = opt(Path("runs/step_timing.jsonl"), "rank 0 appends its JSON line here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check((not self.capture or self.optimizer == "fused",
+               "--capture records the optimizer step too, which must read its lr from a tensor "
+               "on the GPU: add --optimizer fused (foreach SGD bakes the lr in)"))
 
 
 @dataclass(frozen=True)
@@ -41,23 +92,10 @@ LADDER: tuple[Rung, ...] = (
     Rung("bf16 autocast", tf32=True, bf16=True),
     Rung("+ channels_last", tf32=True, bf16=True, channels_last=True),
     Rung("+ torch.compile", tf32=True, bf16=True, channels_last=True, compile_mode="default"),
-    Rung(
-        "+ CUDA graphs",
-        tf32=True,
-        bf16=True,
-        channels_last=True,
-        compile_mode="reduce-overhead",
-        gpu_only="CUDA graphs record GPU kernel launches; a CPU has none to record",
-    ),
+    Rung("+ CUDA graphs", tf32=True, bf16=True, channels_last=True,
+         compile_mode="reduce-overhead",
+         gpu_only="CUDA graphs record GPU kernel launches; a CPU has none to record"),
 )
-
-
-@dataclass(frozen=True)
-class LadderSize:
-    model: str
-    batch: int
-    warmup: int
-    repeats: int
 
 
 @dataclass(frozen=True)
@@ -74,20 +112,6 @@ class RungResult:
         return None if self.timing is None else self.batch / self.timing.median_ms * 1e3
 
 
-@contextlib.contextmanager
-def tf32_enabled(enabled: bool) -> Iterator[None]:
-    """Allow (or forbid) TF32 in matmuls and cuDNN convolutions, restoring the old settings.
-
-    cuDNN convolutions default to TF32 already, so a true FP32 baseline must switch it off.
-    """
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
 def skip_reason(rung: Rung, device: torch.device) -> str | None:
     """Why a rung is not measured on this device, or None."""
     if device.type != "cuda" and rung.gpu_only:
@@ -100,26 +124,17 @@ class TrainStep:
     """One SGD training step on a fixed batch; call it to run the step."""
 
     model: nn.Module
-    forward: Callable[[torch.Tensor], torch.Tensor]
+    forward: Callable[[torch.Tensor], torch.Tensor]  # the model, or its compiled version
     optimizer: torch.optim.Optimizer
     x: torch.Tensor
     y: torch.Tensor
     bf16: bool
 
-    def __call__(self) -> None:
-        with torch.autocast(self.x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = F.cross_entropy(self.forward(self.x), self.y)
-        loss.backward()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @torch.no_grad()
-    def loss(self) -> float:
-        with torch.autocast(self.x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
-            return float(F.cross_entropy(self.model(self.x), self.y))
+    def __call__(self) -> torch.Tensor:
+        return train_step(self.forward, self.optimizer, self.x, self.y, self.bf16)
 
 
-def make_train_step(rung: Rung, size: LadderSize, device: torch.device) -> TrainStep:
+def make_train_step(rung: Rung, size: Workload, device: torch.device) -> TrainStep:
     """Build model, optimizer and one fixed random batch for ``rung``."""
     torch.manual_seed(0)
     memory_format = torch.channels_last if rung.channels_last else torch.contiguous_format
@@ -131,7 +146,7 @@ def make_train_step(rung: Rung, size: LadderSize, device: torch.device) -> Train
     return TrainStep(model, forward, optimizer, x, y, rung.bf16)
 
 
-def measure_rung(rung: Rung, size: LadderSize, device: torch.device) -> RungResult:
+def measure_rung(rung: Rung, size: Workload, device: torch.device) -> RungResult:
     reason = skip_reason(rung, device)
     if reason:
         return RungResult(rung, None, size.batch, skipped=reason)
@@ -145,18 +160,7 @@ def measure_rung(rung: Rung, size: LadderSize, device: torch.device) -> RungResu
     return RungResult(rung, timing, size.batch, first_step_ms=first, host_ms=host.median_ms)
 
 
-@contextlib.contextmanager
-def cudnn_autotuning(enabled: bool = True) -> Iterator[None]:
-    """Let cuDNN time its algorithms for each new shape (``cudnn.benchmark``), then restore."""
-    old = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = old
-
-
-def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> float:
+def time_data_parallel(size: Workload, n_gpus: int, cudnn_benchmark: bool) -> float:
     """Median step time (ms) of ``nn.DataParallel`` over ``n_gpus`` at ``size.batch`` per GPU.
 
     With autotuning on, a step can take many times longer, so fewer repeats are timed.
@@ -168,28 +172,27 @@ def time_data_parallel(size: LadderSize, n_gpus: int, cudnn_benchmark: bool) -> 
         dev = torch.device("cuda:0")
         x = torch.randn(size.batch * n_gpus, 3, 32, 32, device=dev)
         y = torch.randint(0, 10, (size.batch * n_gpus,), device=dev)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
-        step = TrainStep(model, model, opt, x.to(memory_format=torch.channels_last), y, bf16=True)
+        opt_ = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+        step = TrainStep(model, model, opt_, x.to(memory_format=torch.channels_last), y, True)
         warmup, repeats = (1, 5) if cudnn_benchmark else (size.warmup, size.repeats)
         return benchmark(step, warmup=warmup, repeats=repeats, device=dev).median_ms
 
 
-def time_ddp(size: LadderSize, n: int, device: str, compile_mode: str = "none",
-             capture: bool = False, timeout_s: float = 900, trace: Path | None = None) -> dict:
-    """The record of :mod:`~tutorial_utils.workers.step_timing` run in ``n`` processes.
-
-    ``capture`` records the whole step as one CUDA graph, with fused SGD as in ``train.py``;
-    with ``trace``, rank 0 also profiles a few steps and writes their Chrome trace there.
-    """
+def time_ddp(cfg: StepTimingConfig, n: int, timeout_s: float = 900) -> dict:
+    """The record of :mod:`~tutorial_utils.bench.workers.step_timing` run with ``cfg`` in ``n``
+    processes (its ``out`` replaced by a temporary file)."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "ddp.jsonl"
-        args = ["--model", size.model, "--batch", str(size.batch), "--warmup", str(size.warmup),
-                "--repeats", str(size.repeats), "--device", device, "--compile", compile_mode,
-                "--out", str(out)]
-        if capture:
-            args += ["--capture", "--optimizer", "fused"]
-        if trace is not None:
-            args += ["--trace", str(trace)]
-        result = torchrun("tutorial_utils.workers.step_timing", args, nproc=n,
-                          timeout_s=timeout_s, metrics_file=out, echo=False)
+        cfg = dataclasses.replace(cfg, out=Path(tmp) / "ddp.jsonl")
+        result = torchrun(STEP_TIMING, cfg.to_argv(), nproc=n, timeout_s=timeout_s,
+                          metrics_file=cfg.out, echo=False)
     return result.metrics[0]
+
+
+def ddp_step(size: Workload, device: str, compile_mode: str = "none", capture: bool = False,
+             trace: Path | None = None) -> StepTimingConfig:
+    """The DDP step of ``size`` on ``device``; ``capture`` records it whole as one CUDA graph,
+    with fused SGD as in ``train.py``."""
+    shared = {f.name: getattr(size, f.name) for f in dataclasses.fields(Workload)}
+    return StepTimingConfig(**shared, device=device, compile=compile_mode,
+                            capture=capture, optimizer="fused" if capture else "foreach",
+                            trace=trace)

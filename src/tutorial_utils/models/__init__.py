@@ -1,5 +1,5 @@
 """Networks used across the chapters."""
 
-from .wrn import WideResNet, wide_resnet
+from .wrn import WideResNet, wide_resnet, wrn_shape
 
-__all__ = ["WideResNet", "wide_resnet"]
+__all__ = ["WideResNet", "wide_resnet", "wrn_shape"]

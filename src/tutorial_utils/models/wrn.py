@@ -82,12 +82,19 @@ class WideResNet(nn.Sequential):
             init_weights(m)
 
 
+def wrn_shape(name: str) -> tuple[int, int]:
+    """``(depth, width)`` of a WRN's usual name, e.g. ``"wrn-16-4"``; ValueError if it is none."""
+    parts = name.lower().split("-")
+    if len(parts) != 3 or parts[0] != "wrn" or not (parts[1].isdigit() and parts[2].isdigit()):
+        raise ValueError(f"a WRN name looks like 'wrn-28-10' (depth 6n+4, width >= 1), got "
+                         f"{name!r}")
+    depth, width = int(parts[1]), int(parts[2])
+    if depth < 10 or (depth - 4) % 6 or width < 1:
+        raise ValueError(f"{name!r}: WRN depth must be 6n+4 (10, 16, 22, 28, 40, ...) and width "
+                         ">= 1")
+    return depth, width
+
+
 def wide_resnet(name: str = "wrn-28-10", **kwargs) -> WideResNet:
     """Build a WRN from its usual name, e.g. ``"wrn-16-4"``."""
-    try:
-        _, depth, width = name.lower().split("-")
-        return WideResNet(int(depth), int(width), **kwargs)
-    except ValueError as err:
-        if "depth" in str(err) or "width" in str(err):
-            raise
-        raise ValueError(f"WRN name must look like 'wrn-28-10', got {name!r}") from None
+    return WideResNet(*wrn_shape(name), **kwargs)

@@ -9,9 +9,9 @@
   ranks N: all-reduce 2(N-1)/N, reduce-scatter and all-gather (N-1)/N, broadcast 1 (NVIDIA,
   nccl-tests, ``doc/PERFORMANCE.md``). Sizes follow the same convention: the whole buffer of an
   all-reduce or a broadcast, the input of a reduce-scatter, the output of an all-gather.
-- :func:`fit_alpha_beta` fits the latency-bandwidth model t(n) = alpha + n / beta.
-
-The solutions of the chapter's exercises close the module.
+- :func:`fit_alpha_beta` fits the latency-bandwidth model t(n) = alpha + n / beta;
+  :func:`ring_all_reduce_seconds` predicts a ring all-reduce from a bus bandwidth, which
+  :func:`measure_bus_bandwidth` measures.
 """
 
 from __future__ import annotations
@@ -109,76 +109,44 @@ class AlphaBeta:
 
 
 def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
-    """Least-squares fit of t(n) = alpha + n / beta to measured (bytes, seconds) points.
+    """Fit t(n) = alpha + n / beta to measured (bytes, seconds) points, in relative error.
 
-    Least squares weighs absolute errors, so the long, large messages decide beta, and alpha
-    is the intercept of their line, not necessarily the time of the smallest message.
+    The sizes span six orders of magnitude, and so do the times: an ordinary least-squares fit
+    would weigh the large messages alone and leave alpha to chance (on CPU processes, a
+    negative intercept). Each point's error counts relative to its own time instead, so the
+    small messages set alpha and the large ones beta, and the worst error is a percentage.
     """
     n, t = np.asarray(nbytes, dtype=float), np.asarray(seconds, dtype=float)
     if n.shape != t.shape or n.ndim != 1 or len(n) < 2:
         raise ValueError("need at least two (bytes, seconds) points of the same length")
+    if (t <= 0).any():
+        raise ValueError("every measured time must be > 0")
     scale = n.max()  # sizes span 1e3..1e9: scaled to <= 1, both columns are of similar size
-    design = np.stack([np.ones_like(n), n / scale], axis=1)
-    (alpha, per_byte), *_ = np.linalg.lstsq(design, t, rcond=None)
+    design = np.stack([np.ones_like(n), n / scale], axis=1) / t[:, None]  # rows / t: relative
+    (alpha, per_byte), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
     if alpha < 0:  # no negative latency: the best fit with alpha >= 0 then has alpha = 0
-        alpha, per_byte = 0.0, float(design[:, 1] @ t / (design[:, 1] @ design[:, 1]))
+        alpha, per_byte = 0.0, float(design[:, 1].sum() / (design[:, 1] @ design[:, 1]))
     if per_byte <= 0:
         raise ValueError("the measured time does not grow with the size: no bandwidth to fit")
     return AlphaBeta(float(alpha), float(scale / per_byte))
 
 
-# --- Exercise solutions -----------------------------------------------------------------------
+def ring_all_reduce_seconds(nbytes: float, world_size: int, bus_gbps: float) -> float:
+    """Time of a ring all-reduce of ``nbytes``: each GPU sends and receives 2(N-1)/N of it.
 
-
-def root_all_reduce(tensor: torch.Tensor, root: int = 0) -> torch.Tensor:
-    """Exercise 1: all-reduce through one rank. ``root`` receives every other rank's buffer,
-    sums them, and sends the sum back to each: correct, but ``root``'s link carries it all."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if rank != root:
-        dist.send(tensor, root)
-        dist.recv(tensor, root)
-        return tensor
-    inbox = torch.empty_like(tensor)
-    for other in range(world):
-        if other != root:
-            dist.recv(inbox, other)
-            tensor += inbox
-    for other in range(world):
-        if other != root:
-            dist.send(tensor, other)
-    return tensor
-
-
-def busiest_rank_bytes(algorithm: str, nbytes: float, world_size: int) -> float:
-    """Exercise 1: bytes the busiest rank sends in an all-reduce of ``nbytes`` ("ring" or
-    "root"); it receives as many. A ring rank's stays below 2n; the root's grows as (N-1)n."""
-    n = world_size
-    if algorithm == "ring":
-        return 2 * (n - 1) / n * nbytes
-    if algorithm == "root":
-        return (n - 1) * nbytes
-    raise ValueError(f"algorithm must be 'ring' or 'root', got {algorithm!r}")
-
-
-def bucket_for_efficiency(model: AlphaBeta, efficiency: float) -> float:
-    """Exercise 2: the smallest message that reaches ``efficiency`` of the bandwidth beta.
-
-    A message of b bytes runs at b / (alpha + b / beta); that is efficiency * beta when
-    b = alpha * beta * efficiency / (1 - efficiency).
+    ``bus_gbps`` is the bus bandwidth (GB/s) as NCCL's tests report it, i.e. already
+    normalised by that 2(N-1)/N factor: measure it with :func:`measure_bus_bandwidth`.
     """
-    if not 0 < efficiency < 1:
-        raise ValueError(f"efficiency must be in (0, 1), got {efficiency}")
-    return model.half_bytes * efficiency / (1 - efficiency)
+    if world_size < 2:
+        return 0.0
+    return bus_factor("all_reduce", world_size) * nbytes / (bus_gbps * 1e9)
 
 
-def rescale_ring(model: AlphaBeta, from_world: int, to_world: int) -> AlphaBeta:
-    """Exercise 3: an all-reduce model fitted on ``from_world`` ranks, moved to ``to_world``.
+def measure_bus_bandwidth(nbytes: int, device: torch.device, repeats: int = 10) -> float:
+    """All-reduce bus bandwidth in GB/s over the process group, for a float32 buffer of
+    ``nbytes``: the median of ``repeats`` timed calls after warm-up."""
+    from ..timing import benchmark
 
-    Assumes a ring whose 2(N-1) steps each cost the same latency and whose links keep the
-    same bus bandwidth: alpha grows as 2(N-1), the algorithm bandwidth shrinks as N/2(N-1).
-    """
-    if min(from_world, to_world) < 2:
-        raise ValueError("a ring needs at least 2 ranks")
-    alpha = model.alpha_s / (2 * (from_world - 1)) * (2 * (to_world - 1))
-    bus = model.beta * bus_factor("all_reduce", from_world)
-    return AlphaBeta(alpha, bus / bus_factor("all_reduce", to_world))
+    buf = torch.ones(nbytes // 4, device=device)
+    t = benchmark(lambda: dist.all_reduce(buf), warmup=3, repeats=repeats, device=device)
+    return busbw_gbps("all_reduce", nbytes, t.median_ms * 1e-3, dist.get_world_size())

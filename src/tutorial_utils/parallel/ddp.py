@@ -11,8 +11,7 @@ every gradient is averaged over the processes, so every replica takes the same s
 - :func:`ddp` wraps a model in ``DistributedDataParallel``, which does the same in C++ with
   more care (unused parameters, buffers, gradient accumulation with ``no_sync``). Use it.
 
-The ring model (:func:`ring_all_reduce_seconds`) predicts the all-reduce's time from the bus
-bandwidth :func:`measure_bus_bandwidth` measures.
+What the all-reduce costs is chapter 3b's model, in :mod:`tutorial_utils.parallel.collectives`.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .collectives import bus_factor, busbw_gbps
 from .distributed import DistContext
 
 
@@ -125,38 +123,3 @@ def compile_for_ddp(net: nn.Module, mode: str, ctx: DistContext) -> nn.Module:
     if mode == "reduce-overhead" and ctx.is_distributed:
         torch._dynamo.config.optimize_ddp = False
     return torch.compile(net, mode=mode)
-
-
-def ring_all_reduce_seconds(nbytes: float, world_size: int, bus_gbps: float) -> float:
-    """Time of a ring all-reduce of ``nbytes``: each GPU sends and receives 2(N-1)/N of it.
-
-    ``bus_gbps`` is the bus bandwidth (GB/s) as NCCL's tests report it, i.e. already
-    normalised by that 2(N-1)/N factor: measure it with :func:`measure_bus_bandwidth`.
-    """
-    if world_size < 2:
-        return 0.0
-    return bus_factor("all_reduce", world_size) * nbytes / (bus_gbps * 1e9)
-
-
-def weak_scaling_prediction(single_ms: float, compute_ms: float, grad_bytes: float, n: int,
-                            bus_gbps: float, hidden: float = 0.0) -> float:
-    """Exercise (chapter 5b): the ring model's speed-up for weak scaling on ``n`` GPUs.
-
-    Each of ``n`` GPUs runs its own full step (``compute_ms``, DDP inside ``no_sync``) plus the
-    part of a ring all-reduce of ``grad_bytes`` that backward does not hide (``hidden`` is the
-    fraction hidden: 0 no overlap, 1 all); it processes ``n`` times the images of the best
-    single GPU's ``single_ms`` step.
-    """
-    if not 0 <= hidden <= 1:
-        raise ValueError(f"hidden is a fraction in [0, 1], got {hidden}")
-    ring_ms = ring_all_reduce_seconds(grad_bytes, n, bus_gbps) * 1e3
-    return n * single_ms / (compute_ms + (1 - hidden) * ring_ms)
-
-
-def measure_bus_bandwidth(ctx: DistContext, nbytes: int, repeats: int = 10) -> float:
-    """All-reduce bus bandwidth in GB/s for a float32 buffer of ``nbytes``, median of repeats."""
-    from ..timing import benchmark
-
-    buf = torch.ones(nbytes // 4, device=ctx.device)
-    t = benchmark(lambda: dist.all_reduce(buf), warmup=3, repeats=repeats, device=ctx.device)
-    return busbw_gbps("all_reduce", nbytes, t.median_ms * 1e-3, ctx.world_size)

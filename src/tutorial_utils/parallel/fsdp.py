@@ -9,9 +9,9 @@ al., 2020) shards them across the N GPUs in three stages, and PyTorch has each o
 - stage 3, + the parameters: ``fully_shard`` (the default), which all-gathers each unit's
   parameters before its forward and again before its backward.
 
-:func:`zero_bytes_per_param` is the paper's memory model, :func:`shard` applies FSDP2 and
-:func:`local_bytes` measures what one rank holds. Checkpoints of the sharded state are in
-:mod:`tutorial_utils.sharded_checkpoint`.
+:func:`tutorial_utils.memory.zero_table` is the paper's memory model; :func:`shard` applies
+FSDP2 and :func:`local_bytes` measures what one rank holds. Checkpoints of the sharded state are
+in :mod:`tutorial_utils.sharded_checkpoint`.
 """
 
 from __future__ import annotations
@@ -23,37 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from ..memory import STAGES, bytes_per_param
 from ..models.wrn import BasicBlock, WideResNet
 from .distributed import DistContext
-
-ZERO_STAGES = (  # stage, what it shards, how to get it in PyTorch
-    (0, "nothing", "DistributedDataParallel"),
-    (1, "optimizer state", "ZeroRedundancyOptimizer over DDP"),
-    (2, "+ gradients", "fully_shard(reshard_after_forward=False)"),
-    (3, "+ parameters", "fully_shard()"),
-)
-
-
-def zero_bytes_per_param(stage: int, optimizer: str = "adam", world_size: int = 1,
-                         mixed_precision: bool = True) -> float:
-    """Bytes per parameter one GPU holds for weights, gradients and optimizer state
-    (:func:`tutorial_utils.memory.bytes_per_param`, with the stage as a number)."""
-    if stage not in (0, 1, 2, 3) or world_size < 1:
-        raise ValueError(f"need a ZeRO stage 0..3 and world_size >= 1, got {stage}, {world_size}")
-    if optimizer.lower() not in ("sgd", "adam"):
-        raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
-    return bytes_per_param(optimizer.lower(), "mixed" if mixed_precision else "fp32",
-                           STAGES[stage], world_size)
-
-
-def zero_table(world_size: int) -> list[dict]:
-    """One row per ZeRO stage: what it shards, its PyTorch API, and its bytes per parameter."""
-    return [{"stage": s, "shards": what, "pytorch": api,
-             **{f"{opt} {'mixed' if mp else 'fp32'}": zero_bytes_per_param(s, opt, world_size, mp)
-                for opt in ("sgd", "adam") for mp in (False, True)}}
-            for s, what, api in ZERO_STAGES]
-
 
 Units = Literal["model", "group", "block"]
 

@@ -119,22 +119,3 @@ def pipeline_ms(stage_ms: list[float], micro_batches: int) -> float:
     slowest one: sum_s t_s + (m-1) max_s t_s. For p equal stages that is (m+p-1) t.
     """
     return sum(stage_ms) + (micro_batches - 1) * max(stage_ms)
-
-
-def predicted_pipeline_ms(stage_ms: float, stages: int, micro_batches: int,
-                          overhead_ms: float = 0.0) -> float:
-    """Step time of p equal stages, each taking ``stage_ms`` for the whole batch.
-
-    One micro-batch costs stage_ms/m plus a fixed per-micro-batch cost (kernel launches,
-    copies) that does not shrink with the micro-batch.
-    """
-    per_micro_batch = stage_ms / micro_batches + overhead_ms
-    return pipeline_ms([per_micro_batch] * stages, micro_batches)
-
-
-def micro_batches_for_bubble(stages: int, bubble: float) -> int:
-    """Exercise: the fewest micro-batches whose fill/drain bubble is at most ``bubble``."""
-    m = 1
-    while bubble_fraction(stages, m) > bubble:
-        m += 1
-    return m

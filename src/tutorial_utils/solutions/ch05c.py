@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..bench_memory import build, release
+from ..bench.memory import build, release
 from ..memory import BYTES_PER_PARAM, STAGES, Breakdown, Checkpointed, breakdown
-from ..workload import cudnn_autotuning
+from ..timing import cudnn_autotuning
 
 
 def adam_breakdown(model_name: str, batch: int, device="cpu") -> Breakdown:

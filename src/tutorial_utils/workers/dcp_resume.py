@@ -17,23 +17,48 @@ writes the full weights and momentum to ``--out`` (one ``torch.save`` file), and
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..jsonl import write_jsonl
 from ..models import wide_resnet
 from ..parallel.distributed import DistContext, all_reduce_sum, distributed
 from ..parallel.fsdp import shard
-from ..report import write_jsonl
 from ..sharded_checkpoint import commit, latest_checkpoint, load_sharded, write_uncommitted
 
 KILL_ENV = "TUTORIAL_KILL_IN_SAVE"  # fault injection for the tests and the book, not a setting
+
+
+@dataclass
+class DcpConfig(Config):
+    """Run under torchrun, on any number of processes: train with sharded checkpoints, resume."""
+
+    ckpt: Path = opt(doc="folder of the step-N checkpoints")
+    out: Path = opt(doc="the final full state, written by rank 0")
+    model: str = opt("wrn-10-1", "the network, WRN-depth-width")
+    batch: int = opt(4, "images per slice")
+    slices: int = opt(2, "slices per step (the data width)")
+    steps: int = opt(6, "train until this step")
+    save_every: int = opt(2, "steps between checkpoints (0: never)")
+    resume: bool = opt(False, "start from the newest complete checkpoint")
+    naive_save: Path | None = opt(None, "also torch.save(model.state_dict()) here")
+    metrics: Path | None = opt(None, "rank 0 appends JSON lines here")
+    device: Literal["auto", "cpu", "cuda"] = opt("cpu", "cuda needs one GPU per process")
+
+    def __post_init__(self) -> None:
+        check_wrn(self.model)
+        check((min(self.batch, self.slices, self.steps) >= 1,
+               "--batch, --slices and --steps must be >= 1"),
+              (self.save_every >= 0, f"--save-every must be >= 0, got {self.save_every}"))
 
 
 def batch(step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,7 +67,7 @@ def batch(step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]
     return torch.randn(size, 3, 32, 32, generator=g), torch.randint(0, 10, (size,), generator=g)
 
 
-def train_step(step: int, model, opt, ctx: DistContext, args: argparse.Namespace) -> float:
+def train_step(step: int, model, opt, ctx: DistContext, args: DcpConfig) -> float:
     """One step over all slices of ``step``; returns their mean loss."""
     mine = range(ctx.rank, args.slices, ctx.world_size)  # this process's slices
     opt.zero_grad(set_to_none=True)
@@ -58,7 +83,7 @@ def train_step(step: int, model, opt, ctx: DistContext, args: argparse.Namespace
     return all_reduce_sum(ctx, total)[0] / ctx.world_size
 
 
-def save(step: int, model, opt, ctx: DistContext, args: argparse.Namespace) -> None:
+def save(step: int, model, opt, ctx: DistContext, args: DcpConfig) -> None:
     tmp = write_uncommitted(args.ckpt, step, model, opt, ctx)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if os.environ.get(KILL_ENV) == str(step) and first_attempt and ctx.rank == ctx.world_size - 1:
@@ -67,7 +92,7 @@ def save(step: int, model, opt, ctx: DistContext, args: argparse.Namespace) -> N
     commit(args.ckpt, tmp, ctx)
 
 
-def export(model, opt, ctx: DistContext, args: argparse.Namespace) -> None:
+def export(model, opt, ctx: DistContext, args: DcpConfig) -> None:
     """Rank 0 writes the whole model and optimizer state, gathered from every rank."""
     # Collective: every rank takes part; with cpu_offload only rank 0 keeps the result.
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -78,24 +103,8 @@ def export(model, opt, ctx: DistContext, args: argparse.Namespace) -> None:
             torch.save(model.state_dict(), args.naive_save)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wrn-10-1")
-    parser.add_argument("--batch", type=int, default=4, help="images per slice")
-    parser.add_argument("--slices", type=int, default=2, help="slices per step (the data width)")
-    parser.add_argument("--steps", type=int, default=6, help="train until this step")
-    parser.add_argument("--save-every", type=int, default=2, help="0: never")
-    parser.add_argument("--resume", action="store_true", help="start from the newest checkpoint")
-    parser.add_argument("--ckpt", type=Path, required=True, help="folder of step-N checkpoints")
-    parser.add_argument("--out", type=Path, required=True, help="final full state (rank 0)")
-    parser.add_argument("--naive-save", type=Path, help="also torch.save(model.state_dict())")
-    parser.add_argument("--metrics", type=Path, help="rank 0 appends JSON lines here")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu")
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_or_exit(DcpConfig, argv, __spec__.name)
     with distributed(args.device) as ctx:
         if args.slices % ctx.world_size:
             raise SystemExit(f"--slices {args.slices} must be a multiple of the "

@@ -24,9 +24,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 
 def setup() -> tuple[int, int, torch.device]:
-    """Join the process group torchrun describes in the environment; pin this process's GPU."""
+    """Join the process group torchrun describes in the environment; pin this process's GPU.
+
+    One GPU per process when the machine has one for each of its processes (NCCL); otherwise
+    every process computes on the CPU (gloo), so the script also runs on a laptop.
+    """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if torch.cuda.is_available():
+    if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)  # before any CUDA work: nothing lands on GPU 0 by mistake
         dist.init_process_group("nccl", device_id=device)

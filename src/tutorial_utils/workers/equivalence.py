@@ -9,17 +9,34 @@ Rank 0 writes one JSON line with the largest gradient difference of each method.
 
 from __future__ import annotations
 
-import argparse
 import copy
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import Config, check, opt, parse_or_exit
+from ..jsonl import write_jsonl
 from ..parallel.ddp import BucketedAllReduce, all_reduce_gradients, ddp
 from ..parallel.distributed import DistContext, distributed
-from ..report import write_jsonl
+
+
+@dataclass
+class EquivalenceConfig(Config):
+    """Run under torchrun: do DDP and the all-reduces by hand give one process's gradients?"""
+
+    out: Path = opt(Path("runs/equivalence.jsonl"), "rank 0 appends its JSON line here")
+    batch: int = opt(32, "the global batch, split evenly over the processes")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    batchnorm: bool = opt(False, "add a BatchNorm layer")
+    sync_bn: bool = opt(False, "...as SyncBatchNorm")
+
+    def __post_init__(self) -> None:
+        check((self.batch >= 2 and self.batch % 2 == 0,
+               f"--batch must be even and >= 2 (two micro-batches per rank), got {self.batch}"))
 
 
 def small_net(batchnorm: bool = False) -> nn.Sequential:
@@ -81,17 +98,11 @@ def compare(ctx: DistContext, batch: int, batchnorm: bool, sync_bn: bool) -> dic
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--batchnorm", action="store_true", help="add a BatchNorm layer")
-    parser.add_argument("--sync-bn", action="store_true", help="...as SyncBatchNorm (GPUs)")
-    args = parser.parse_args(argv)
-    with distributed(args.device) as ctx:
-        result = compare(ctx, args.batch, args.batchnorm or args.sync_bn, args.sync_bn)
+    cfg = parse_or_exit(EquivalenceConfig, argv, __spec__.name)
+    with distributed(cfg.device) as ctx:
+        result = compare(ctx, cfg.batch, cfg.batchnorm or cfg.sync_bn, cfg.sync_bn)
         if ctx.is_main:
-            write_jsonl(args.out, [result])
+            write_jsonl(cfg.out, [result])
 
 
 if __name__ == "__main__":

@@ -16,28 +16,38 @@ the process group's timeout the job fails, and torchrun stops it:
 
 The first all-reduce matters with NCCL: it connects the ranks inside that first call, which
 needs every rank, so a rank missing from it leaves the others blocked there before any timeout
-clock starts (measured on 2 H200s with torch 2.11: ``scripts/probes/nccl_hang.py``).
+clock starts (seen on 2 H200s with torch 2.11).
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report mismatched collectives (different
 operations or shapes on different ranks) by name.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
+from ..config import Config, check, opt, parse_or_exit
 from ..parallel.distributed import distributed
 
 
+@dataclass
+class HangConfig(Config):
+    """Run under torchrun: a collective that one rank never joins fails after the timeout."""
+
+    timeout: float = opt(10.0, "the process group's timeout, s")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+
+    def __post_init__(self) -> None:
+        check((self.timeout > 0, f"--timeout must be > 0, got {self.timeout}"))
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=10.0, help="process-group timeout, s")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    args = parser.parse_args(argv)
+    args = parse_or_exit(HangConfig, argv, __spec__.name)
     with distributed(args.device, timeout_s=args.timeout) as ctx:
         t = torch.ones(1, device=ctx.device)
         dist.all_reduce(t)

@@ -12,19 +12,21 @@ on the whole batch, in the same precision. Rank 0 writes one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import functools
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..jsonl import write_jsonl
 from ..models import wide_resnet
 from ..models.wrn import init_weights
 from ..parallel.distributed import DistContext, distributed
 from ..parallel.pipeline import (
-    SCHEDULES,
     StageModule,
     build_stage,
     loss_fn,
@@ -33,7 +35,6 @@ from ..parallel.pipeline import (
     small_net,
     train_step,
 )
-from ..report import write_jsonl
 from ..timing import benchmark
 
 SAMPLE = (3, 32, 32)  # CIFAR-shaped images
@@ -46,20 +47,29 @@ def model_maker(name: str):
     return functools.partial(wide_resnet, name), init_weights
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="cnn")
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="gpipe")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    on_gpus = argparse.BooleanOptionalAction
-    parser.add_argument("--bf16", action=on_gpus, help="bf16 autocast (default: on GPUs)")
-    parser.add_argument("--channels-last", action=on_gpus, help="(default: on GPUs)")
-    parser.add_argument("--check", action="store_true", help="compare with one process")
-    parser.add_argument("--repeats", type=int, default=0, help="timed steps (0: none)")
-    parser.add_argument("--out", type=Path, required=True)
-    return parser.parse_args(argv)
+@dataclass
+class PipelineConfig(Config):
+    """Run under torchrun: the production route to pipelining, one stage per process."""
+
+    model: str = opt("cnn", "cnn (a small network without BatchNorm) or a WRN, wrn-28-10")
+    batch: int = opt(32, "images per step, cut into micro-batches")
+    micro_batches: int = opt(4, "micro-batches per step")
+    schedule: Literal["gpipe", "1f1b"] = opt("gpipe", "the pipeline schedule")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    bf16: bool | None = opt(None, "bf16 autocast (default: on GPUs)")
+    channels_last: bool | None = opt(None, "channels_last inputs and weights (default: on GPUs)")
+    check: bool = opt(False, "compare each stage's gradients with one process's")
+    repeats: int = opt(0, "timed steps (0: none)")
+    out: Path = opt(Path("runs/pipeline.jsonl"), "rank 0 appends its JSON line here")
+
+    def __post_init__(self) -> None:
+        if self.model != "cnn":
+            check_wrn(self.model)
+        check((self.micro_batches >= 1, f"--micro-batches must be >= 1, got {self.micro_batches}"),
+              (self.batch % self.micro_batches == 0,
+               f"--batch {self.batch} is not a multiple of --micro-batches "
+               f"{self.micro_batches}: every micro-batch must hold as many images"),
+              (self.repeats >= 0, f"--repeats must be >= 0, got {self.repeats}"))
 
 
 def all_max(ctx: DistContext, *values: float) -> list[float]:
@@ -68,13 +78,13 @@ def all_max(ctx: DistContext, *values: float) -> list[float]:
     return t.tolist()
 
 
-def grad_check(ctx: DistContext, args, stage_module: nn.Module, layers: range,
+def grad_check(ctx: DistContext, cfg: PipelineConfig, stage_module: nn.Module, layers: range,
                x: torch.Tensor, y: torch.Tensor) -> dict:
     """Largest gradient difference from the whole model, trained in this process on the whole
     batch with the pipeline's weights (built layer by layer as the stages were)."""
-    make, init = model_maker(args.model)
-    reference = StageModule(materialise(make, 0, None, ctx.device, init), args.bf16)
-    if args.channels_last:
+    make, init = model_maker(cfg.model)
+    reference = StageModule(materialise(make, 0, None, ctx.device, init), cfg.bf16)
+    if cfg.channels_last:
         reference.to(memory_format=torch.channels_last)
     loss_fn(reference(x), y).backward()
     ref = [p.grad for i in layers for p in reference.layers[i].parameters()]
@@ -94,33 +104,33 @@ def params_per_rank(ctx: DistContext, module: nn.Module) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse(argv)
-    with distributed(args.device) as ctx:
+    cfg = parse_or_exit(PipelineConfig, argv, __spec__.name)
+    with distributed(cfg.device) as ctx:
         on_gpu = ctx.device.type == "cuda"
-        args.bf16 = on_gpu if args.bf16 is None else args.bf16
-        args.channels_last = on_gpu if args.channels_last is None else args.channels_last
+        cfg.bf16 = on_gpu if cfg.bf16 is None else cfg.bf16
+        cfg.channels_last = on_gpu if cfg.channels_last is None else cfg.channels_last
         torch.backends.cudnn.benchmark = on_gpu  # as chapter 3's in-process benchmark
-        make, init = model_maker(args.model)
+        make, init = model_maker(cfg.model)
         stage, layers = build_stage(make, ctx.rank, ctx.world_size, ctx.device, (2, *SAMPLE),
-                                    bf16=args.bf16, channels_last=args.channels_last, init=init)
-        schedule = make_schedule(stage, args.schedule, args.micro_batches)
+                                    bf16=cfg.bf16, channels_last=cfg.channels_last, init=init)
+        schedule = make_schedule(stage, cfg.schedule, cfg.micro_batches)
         torch.manual_seed(0)  # the same batch on every rank
-        fmt = torch.channels_last if args.channels_last else torch.contiguous_format
-        x = torch.randn(args.batch, *SAMPLE).to(ctx.device, memory_format=fmt)
-        y = torch.randint(0, 10, (args.batch,)).to(ctx.device)
+        fmt = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        x = torch.randn(cfg.batch, *SAMPLE).to(ctx.device, memory_format=fmt)
+        y = torch.randint(0, 10, (cfg.batch,)).to(ctx.device)
         train_step(schedule, stage, x, y)
-        record = {"world_size": ctx.world_size, "model": args.model, "batch": args.batch,
-                  "micro_batches": args.micro_batches, "schedule": args.schedule,
-                  "precision": "bf16" if args.bf16 else "fp32",
-                  "memory_format": "channels_last" if args.channels_last else "contiguous",
+        record = {"world_size": ctx.world_size, "model": cfg.model, "batch": cfg.batch,
+                  "micro_batches": cfg.micro_batches, "schedule": cfg.schedule,
+                  "precision": "bf16" if cfg.bf16 else "fp32",
+                  "memory_format": "channels_last" if cfg.channels_last else "contiguous",
                   "cudnn_benchmark": on_gpu, "params_per_rank": params_per_rank(ctx, stage.submod)}
-        if args.check:
-            record.update(grad_check(ctx, args, stage.submod, layers, x, y))
-        if args.repeats:
+        if cfg.check:
+            record.update(grad_check(ctx, cfg, stage.submod, layers, x, y))
+        if cfg.repeats:
             record["step_ms"] = benchmark(lambda: train_step(schedule, stage, x, y), warmup=2,
-                                          repeats=args.repeats, device=ctx.device).median_ms
+                                          repeats=cfg.repeats, device=ctx.device).median_ms
         if ctx.is_main:
-            write_jsonl(args.out, [record])
+            write_jsonl(cfg.out, [record])
 
 
 if __name__ == "__main__":

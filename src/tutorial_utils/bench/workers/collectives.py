@@ -1,6 +1,6 @@
 """Run under torchrun: time each collective over message sizes; rank 0 writes JSON lines.
 
-    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.workers.collectives_bench \\
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.bench.workers.collectives \\
         --sizes 4096 1048576 268435456 --ring-sizes 1048576 --check-bytes 145916776 --out c.jsonl
 
 One line per (collective, size), with the median time over the repeats, its quartiles, and the
@@ -13,18 +13,25 @@ too (role "check"), to test the alpha-beta model's prediction for exactly that s
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from ..parallel.collectives import algbw_gbps, bus_factor, busbw_gbps, ring_all_reduce
-from ..parallel.ddp import measure_bus_bandwidth
-from ..parallel.distributed import DistContext, distributed
-from ..report import write_jsonl
-from ..timing import benchmark
+from ...config import Config, check, opt, parse_or_exit
+from ...jsonl import write_jsonl
+from ...parallel.collectives import (
+    algbw_gbps,
+    bus_factor,
+    busbw_gbps,
+    measure_bus_bandwidth,
+    ring_all_reduce,
+)
+from ...parallel.distributed import DistContext, distributed
+from ...timing import benchmark
 
 COLLECTIVES = ("broadcast", "all_reduce", "reduce_scatter", "all_gather")
 # Newer PyTorch renames these two (the old names then warn); older releases have only the old.
@@ -32,17 +39,22 @@ reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", required=True, help="bytes")
-    parser.add_argument("--ring-sizes", type=int, nargs="*", default=[],
-                        help="bytes at which to time the hand-written ring too")
-    parser.add_argument("--check-bytes", type=int, help="time chapter 4's all-reduce of this")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--out", type=Path, required=True)
-    return parser.parse_args(argv)
+@dataclass
+class CollectivesWorkerConfig(Config):
+    """Run under torchrun: time each collective over message sizes; rank 0 writes JSON lines."""
+
+    sizes: tuple[int, ...] = opt((), "message sizes in bytes")
+    ring_sizes: tuple[int, ...] = opt((), "sizes at which to time the hand-written ring too")
+    check_bytes: int | None = opt(None, "time chapter 4's all-reduce of this many bytes")
+    warmup: int = opt(5, "untimed calls first")
+    repeats: int = opt(20, "timed calls; the median is reported")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    out: Path = opt(Path("runs/collectives.jsonl"), "rank 0 appends its JSON lines here")
+
+    def __post_init__(self) -> None:
+        check((bool(self.sizes), "--sizes needs at least one size"),
+              (min(self.sizes + self.ring_sizes, default=1) >= 1, "every size must be >= 1"),
+              (self.warmup >= 0 and self.repeats >= 1, "need --warmup >= 0 and --repeats >= 1"))
 
 
 def operation(name: str, nbytes: int, ctx: DistContext) -> Callable[[], object]:
@@ -63,7 +75,7 @@ def operation(name: str, nbytes: int, ctx: DistContext) -> Callable[[], object]:
     return ops[name]
 
 
-def measure(name: str, nbytes: int, ctx: DistContext, args: argparse.Namespace) -> dict:
+def measure(name: str, nbytes: int, ctx: DistContext, args: CollectivesWorkerConfig) -> dict:
     fn = operation(name, nbytes, ctx)
     ctx.barrier()  # start together: a late rank's delay would land in the first calls
     t = benchmark(fn, warmup=args.warmup, repeats=args.repeats, device=ctx.device)
@@ -87,28 +99,28 @@ def ring_equals_all_reduce(ctx: DistContext, numel: int = 1001) -> dict:
     return {"collective": "ring_all_reduce", "role": "equal", "numel": numel, "max_diff": diff}
 
 
-def check(nbytes: int, ctx: DistContext, repeats: int) -> dict:
+def gradient_check(nbytes: int, ctx: DistContext, repeats: int) -> dict:
     """Chapter 4's measurement (one flat float32 all-reduce), as a time."""
-    bus = measure_bus_bandwidth(ctx, nbytes, repeats=repeats)
+    bus = measure_bus_bandwidth(nbytes, ctx.device, repeats=repeats)
     seconds = nbytes * bus_factor("all_reduce", ctx.world_size) / (bus * 1e9)
     return {"collective": "all_reduce", "role": "check", "nbytes": nbytes, "time_s": seconds,
             "algbw_gbps": algbw_gbps(nbytes, seconds), "busbw_gbps": bus}
 
 
-def run(args: argparse.Namespace, ctx: DistContext) -> list[dict]:
+def run(args: CollectivesWorkerConfig, ctx: DistContext) -> list[dict]:
     records = [ring_equals_all_reduce(ctx)]
     for name in COLLECTIVES:
         records += [measure(name, nbytes, ctx, args) for nbytes in args.sizes]
     records += [measure("ring_all_reduce", nbytes, ctx, args) for nbytes in args.ring_sizes]
     if args.check_bytes:
-        records.append(check(args.check_bytes, ctx, args.repeats))
+        records.append(gradient_check(args.check_bytes, ctx, args.repeats))
     common = {"world_size": ctx.world_size, "backend": dist.get_backend(),
               "device": ctx.device.type}
     return [common | r for r in records]
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_or_exit(CollectivesWorkerConfig, argv, __spec__.name)
     with distributed(args.device) as ctx:
         if not ctx.is_distributed:
             raise SystemExit("run under torchrun with --nproc_per_node >= 2: collectives "

@@ -1,6 +1,6 @@
 """Run under torchrun: DDP and the ZeRO stages on the same model and data, state and step time.
 
-    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.workers.fsdp_step \\
+    torchrun --standalone --nproc_per_node=2 -m tutorial_utils.bench.workers.fsdp_step \\
         --model wrn-28-10 --batch 128 --repeats 20 --trace runs/fsdp-trace --out fsdp.jsonl
 
 The modes run in the same processes, treated alike (bf16 autocast, cuDNN autotuning,
@@ -14,27 +14,58 @@ holds, the first losses, the median step time (CUDA events, after warm-up), the 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..models import wide_resnet
-from ..parallel.ddp import ddp
-from ..parallel.distributed import DistContext, distributed
-from ..parallel.fsdp import compile_blocks_of, local_bytes, shard
-from ..report import write_jsonl
+from ...config import Config, check, check_wrn, opt, parse_or_exit
+from ...jsonl import write_jsonl
+from ...models import wide_resnet
+from ...parallel.ddp import ddp
+from ...parallel.distributed import DistContext, distributed
+from ...parallel.fsdp import compile_blocks_of, local_bytes, shard
+from ...timing import benchmark, host_clock_without_sync, synchronize
+from ...trainer import forward_loss
 from ..timeline import profile_steps
-from ..timing import benchmark, host_clock_without_sync, synchronize
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "zero3-blocks")
+Mode = Literal["ddp", "zero1", "zero2", "zero3", "zero3-blocks"]
 
 
-def build(mode: str, ctx: DistContext, args: argparse.Namespace):
+@dataclass
+class FsdpStepConfig(Config):
+    """Run under torchrun: DDP and the ZeRO stages on the same model and data, state and time."""
+
+    model: str = opt("wrn-28-10", "the network, WRN-depth-width")
+    batch: int = opt(128, "images per process")
+    modes: tuple[Mode, ...] = opt(MODES, "the modes to compare, in these processes")
+    steps: int = opt(3, "training steps whose losses are compared")
+    repeats: int = opt(0, "timed steps (0: none)")
+    compile: bool = opt(False, "compile each residual block (GPU)")
+    units: Literal["model", "group", "block"] = opt("group", "the FSDP units besides the root")
+    prefetch: bool = opt(False, "explicit FSDP prefetching")
+    fit_gib: float | None = opt(None, "cap each process's GPU memory (GiB): can it train?")
+    trace: Path | None = opt(None, "rank 0 writes DIR/<mode>.json profiler traces")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    out: Path = opt(Path("runs/fsdp.jsonl"), "rank 0 appends one JSON line per mode here")
+
+    def __post_init__(self) -> None:
+        check_wrn(self.model)
+        check((self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
+              (bool(self.modes), "--modes needs at least one mode"),
+              (self.steps >= 1 and self.repeats >= 0, "need --steps >= 1 and --repeats >= 0"),
+              (self.fit_gib is None or self.fit_gib > 0, "--fit-gib must be > 0"),
+              # an out-of-memory error can leave memory behind for the next mode
+              (not self.fit_gib or len(self.modes) == 1,
+               "--fit-gib takes one mode per job, so no failed attempt affects the next"))
+
+
+def build(mode: str, ctx: DistContext, args: FsdpStepConfig):
     """The model and optimizer of one mode, from the same initial weights."""
     torch.manual_seed(0)
     # FSDP2 gathers parameters into contiguous tensors, so no mode makes the weights
@@ -58,7 +89,7 @@ def build(mode: str, ctx: DistContext, args: argparse.Namespace):
     return model, torch.optim.SGD(model.parameters(), **sgd)
 
 
-def measure(mode: str, ctx: DistContext, args: argparse.Namespace) -> dict:
+def measure(mode: str, ctx: DistContext, args: FsdpStepConfig) -> dict:
     dev = ctx.device
     gc.collect()  # forget the previous mode: its model may sit in a reference cycle
     if args.compile:
@@ -66,7 +97,7 @@ def measure(mode: str, ctx: DistContext, args: argparse.Namespace) -> dict:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-    model, opt = build(mode, ctx, args)
+    model, optimizer = build(mode, ctx, args)
     g = torch.Generator().manual_seed(1 + ctx.rank)  # each rank its own data, same per mode
     batches = [(torch.randn(args.batch, 3, 32, 32, generator=g).to(dev)
                 .to(memory_format=torch.channels_last),
@@ -74,20 +105,20 @@ def measure(mode: str, ctx: DistContext, args: argparse.Namespace) -> dict:
 
     def step(i: int = 0) -> torch.Tensor:
         x, y = batches[i % 2]
-        opt.zero_grad(set_to_none=True)  # first, so the gradients stay for local_bytes
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            loss = F.cross_entropy(model(x), y)
+        optimizer.zero_grad(set_to_none=True)  # first, so the gradients stay for local_bytes
+        _, loss = forward_loss(model, x, y, bf16=dev.type == "cuda")
         loss.backward()
-        opt.step()
+        optimizer.step()
         return loss.detach()
 
-    sgd = getattr(opt, "optim", opt).defaults  # ZeroRedundancyOptimizer wraps a local SGD
+    # ZeroRedundancyOptimizer wraps a local SGD
+    sgd = getattr(optimizer, "optim", optimizer).defaults
     record = {"mode": mode, "sgd": next((k for k in ("fused", "foreach") if sgd[k]), "loop")}
     try:
         record["losses"] = [float(step(i)) for i in range(args.steps)]
     except torch.cuda.OutOfMemoryError:  # every rank runs the same shapes: all fail alike
         return record | {"fits": False}
-    record |= {"fits": True, **local_bytes(model, opt)}
+    record |= {"fits": True, **local_bytes(model, optimizer)}
     if args.repeats:
         t = benchmark(step, warmup=5, repeats=args.repeats, device=dev)
         record |= {"step_ms": t.median_ms, "step_spread": t.spread,
@@ -103,28 +134,8 @@ def measure(mode: str, ctx: DistContext, args: argparse.Namespace) -> dict:
     return record
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="wrn-28-10")
-    parser.add_argument("--batch", type=int, default=128, help="per-process batch")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--steps", type=int, default=3, help="training steps compared")
-    parser.add_argument("--repeats", type=int, default=0, help="timed steps (0: none)")
-    parser.add_argument("--compile", action="store_true", help="compile each block (GPU)")
-    parser.add_argument("--units", choices=["model", "group", "block"], default="group")
-    parser.add_argument("--prefetch", action="store_true", help="explicit FSDP prefetching")
-    parser.add_argument("--fit-gib", type=float, help="cap each process's GPU memory (GiB)")
-    parser.add_argument("--trace", type=Path, help="rank 0 writes DIR/<mode>.json traces")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args(argv)
-    if args.fit_gib and len(args.modes) > 1:  # an out-of-memory error can leave memory behind
-        parser.error("--fit-gib takes one mode per job, so no failed attempt affects the next")
-    return args
-
-
 def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+    args = parse_or_exit(FsdpStepConfig, argv, __spec__.name)
     with distributed(args.device) as ctx:
         dev = ctx.device
         gpu_only = (args.compile or args.fit_gib) and dev.type != "cuda"

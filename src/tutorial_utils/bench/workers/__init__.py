@@ -1,0 +1,1 @@
+"""The measuring programs torchrun starts (one process per GPU or CPU process)."""

@@ -1,0 +1,39 @@
+"""JSON lines: how every job of the package reports its results, one JSON object per line.
+
+The training entry point writes one line per epoch to ``metrics.jsonl``, each worker started
+by torchrun writes its measurements the same way, and :func:`~tutorial_utils.launch.torchrun`
+reads them back for the cell that launched the job. One line is one complete record, appended
+in one write, so a reader never sees half of one unless its writer was killed in the middle of
+that write: :func:`read_jsonl` then drops the torn last line instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+
+def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
+    """Append ``records`` to ``path``, one JSON object per line (the folder is created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(r) + "\n" for r in records)
+    with open(path, "a") as f:
+        f.write(text)  # one write: the lines land whole, after any a reader already has
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records in ``path`` (none if it does not exist); a torn last line is dropped."""
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines) - 1:  # damage in the middle is not a killed writer: say so
+                raise ValueError(f"{path}, line {i + 1}: not JSON ({line[:60]!r})") from None
+    return records
