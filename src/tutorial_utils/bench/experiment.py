@@ -135,12 +135,6 @@ def with_batch(cfg: TrainConfig, batch: int, rule: str = "linear") -> TrainConfi
         f"{cfg.out.name}-b{batch}-{rule}"))
 
 
-def schedule_sweep(cfg: TrainConfig, epochs: list[int], processes: int = 1) -> list[TrainingRun]:
-    """The same recipe trained for each number of ``epochs`` (its schedule stretched to fit)."""
-    return [train(processes, dataclasses.replace(cfg, epochs=n, out=cfg.out.with_name(
-        f"{cfg.out.name}-{n}ep")), label=f"{n} epochs") for n in epochs]
-
-
 def targets_table(runs: list[TrainingRun], targets: tuple[float, ...]) -> tuple[str, dict]:
     """For each target: the shortest schedule reaching it at its end, with its training time
     and compilation; a text table and a flat summary (``tta_<pct>_s``, ``tta_<pct>_epochs``)."""
@@ -240,30 +234,30 @@ class Job:
         return "\n".join([*lines, line])
 
 
-def chapter5(machine: Plan, data: str) -> list[Job]:
-    """The post's recipe on each of ``machine.counts``, then the fast recipe on the most."""
+def post_recipe(machine: Plan, data: str, out: Path) -> TrainConfig:
+    """The Torch7 post's recipe at the size of ``machine``'s profile: 10 epochs of WRN-28-10."""
     size = pick(smoke=dict(depth=10, width=1, epochs=2), full=dict(depth=28, width=10,
                 epochs=10), profile=machine.profile)
-    post = TrainConfig(**size, batch=128, scaling="strong", data=data, checkpoint_every=0,
-                       seed=0, device=machine.device)
-    units, runs = machine.units, Path("runs/ch05")
-    jobs = [Job(n, dataclasses.replace(post, out=runs / f"strong-{n}"),
-                f"{n} {units[n > 1]}, {128 // n} images each") for n in machine.counts]
-    n = machine.counts[-1]
-    fast = dataclasses.replace(post, scaling="weak", step_graph=True, crop_pad=2,
-                               label_smoothing=0.1, tta=True, out=runs / f"fast-{n}",
-                               compile=pick(smoke="none", full="default", profile=machine.profile))
-    return jobs + [Job(n, fast, f"{n} {units[n > 1]}, fast recipe")]
+    return TrainConfig(**size, batch=128, data=data, checkpoint_every=0, seed=0,
+                       device=machine.device, out=out)
 
 
 def fast_recipe(machine: Plan, data: str, out: Path) -> TrainConfig:
     """Chapter 5's fast recipe on one process (batch 128), the base of chapters 5d and 5e."""
-    size = pick(smoke=dict(depth=10, width=1, epochs=2), full=dict(depth=28, width=10,
-                epochs=10), profile=machine.profile)
-    return TrainConfig(**size, batch=128, step_graph=True, crop_pad=2, label_smoothing=0.1,
-                       tta=True, data=data, checkpoint_every=0, seed=0, device=machine.device,
-                       compile=pick(smoke="none", full="default", profile=machine.profile),
-                       out=out)
+    return dataclasses.replace(post_recipe(machine, data, out), step_graph=True, crop_pad=2,
+                               label_smoothing=0.1, tta=True,
+                               compile=pick(smoke="none", full="default",
+                                            profile=machine.profile))
+
+
+def chapter5(machine: Plan, data: str) -> list[Job]:
+    """The post's recipe on each of ``machine.counts``, then the fast recipe on the most
+    (weak scaling: 128 images per process)."""
+    units, runs, n = machine.units, Path("runs/ch05"), machine.counts[-1]
+    jobs = [Job(k, post_recipe(machine, data, runs / f"strong-{k}"),
+                f"{k} {units[k > 1]}, {128 // k} images each") for k in machine.counts]
+    fast = dataclasses.replace(fast_recipe(machine, data, runs / f"fast-{n}"), scaling="weak")
+    return jobs + [Job(n, fast, f"{n} {units[n > 1]}, fast recipe")]
 
 
 def chapter5d(machine: Plan, data: str) -> list[Job]:
