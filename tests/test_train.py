@@ -1,5 +1,7 @@
 """The training entry point: learning, exact resume, atomic checkpoints, and clear errors."""
 
+import re
+
 import pytest
 import torch
 
@@ -71,12 +73,13 @@ def killed_in_epoch(cfg, epoch, monkeypatch):
 
 @pytest.mark.parametrize("loader", ["device", "dataloader"])
 def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, loader):
-    straight = tiny(tmp_path / "a", epochs=3, loader=loader)
+    # dropout draws from the global RNG: the resume must restore it and draw nothing else
+    straight = tiny(tmp_path / "a", epochs=3, loader=loader, dropout=0.3)
     straight_records = run(straight, CPU)
 
-    interrupted = tiny(tmp_path / "b", epochs=3, loader=loader)
+    interrupted = tiny(tmp_path / "b", epochs=3, loader=loader, dropout=0.3)
     killed_in_epoch(interrupted, 2, monkeypatch)
-    resumed = run(tiny(tmp_path / "b", epochs=3, resume=True, loader=loader), CPU)
+    resumed = run(tiny(tmp_path / "b", epochs=3, resume=True, loader=loader, dropout=0.3), CPU)
 
     assert [r["epoch"] for r in resumed] == [2, 3]
     assert [r["test_acc"] for r in resumed] == [r["test_acc"] for r in straight_records[1:]]
@@ -179,8 +182,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypat
     save_checkpoint(path, {"epoch": 1, "config": {}})
 
     def crash_midway(obj, f):
-        with open(f, "wb") as fh:
-            fh.write(b"half a checkpoint")
+        f.write(b"half a checkpoint")
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt_mod.torch, "save", crash_midway)
@@ -236,6 +238,14 @@ def error_of(capsys, *argv):
         (["--crop-pad", "-1"], "--crop-pad must be >= 0"),
         (["--warmup-epochs", "11"], "--warmup-epochs must be in [0, --epochs]"),
         (["--ema", "0.9"], "unrecognized arguments: --ema"),
+        (["--lr", "inf"], "--lr must be a number > 0, got inf"),
+        (["--weight-decay", "nan"], "--weight-decay must be a number >= 0, got nan"),
+        (["--weight-decay=-1e-4"], "--weight-decay must be a number >= 0"),
+        (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
+        (["--limit-per-class", "0"], "--limit-per-class must be >= 1"),
+        (["--device", "cpu", "--depth", "10", "--width", "1", "--batch", "1024"],
+         "--batch 1024 needs 1024 images per process and step, but each of the 1 processes "
+         "has 512"),
     ],
 )
 def test_bad_options(capsys, argv, message):
@@ -287,3 +297,91 @@ def test_every_rank_random_state_is_saved(tmp_path):
     rng = torch.load(cfg.out / "checkpoint.pt", weights_only=True)["rng"]
     assert isinstance(rng, list) and len(rng) == CPU.world_size
 
+
+
+def test_limit_per_class_applies_to_synthetic_data_too(monkeypatch):
+    monkeypatch.undo()  # the real loader
+    data = train_mod.load_cifar10("synthetic", limit_per_class=3)
+    assert sorted(data.train_y.tolist()) == [c for c in range(10) for _ in range(3)]
+    assert len(data.test_y) == len(train_mod.load_cifar10("synthetic").test_y)
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"weight_decay": 1e-3}, "weight_decay=0.0005 (this run: 0.001)"),
+    ({"label_smoothing": 0.1}, "label_smoothing=0.0 (this run: 0.1)"),
+    ({"crop_pad": 2}, "crop_pad=4 (this run: 2)"),
+    ({"bf16": True}, "bf16=False (this run: True)"),
+])
+def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path, change, named):
+    run(tiny(tmp_path, epochs=1), CPU)
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        run(tiny(tmp_path, epochs=1, resume=True, **change), CPU)
+
+
+def test_a_resume_on_other_data_is_refused(tmp_path, monkeypatch):
+    run(tiny(tmp_path, epochs=1), CPU)
+    monkeypatch.setattr(train_mod, "load_cifar10", lambda *a, **k: synthetic_cifar10(640, 128))
+    with pytest.raises(CheckpointError, match=r"trained on synthetic \(512 train.*512 images"):
+        run(tiny(tmp_path, epochs=1, resume=True), CPU)
+
+
+def test_a_resume_may_change_how_it_runs_and_records_what_it_used(tmp_path):
+    from tutorial_utils.jsonl import read_jsonl
+
+    run(tiny(tmp_path, epochs=2, checkpoint_every=1), CPU)
+    (tmp_path / "run" / "checkpoint.pt").replace(tmp_path / "epoch2.pt")
+    run(tiny(tmp_path, epochs=1), CPU)  # a fresh one-epoch run in the same folder
+    resumed = run(tiny(tmp_path, epochs=1, resume=True, tta=True), CPU)
+    assert resumed == []  # its checkpoint is of its last epoch: nothing left to train
+    starts = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if r["event"] == "start"]
+    assert [s["config"]["tta"] for s in starts] == [False, True]
+
+
+def test_resume_without_a_checkpoint_says_it_starts_afresh(tmp_path, capsys):
+    records = run(tiny(tmp_path / "typo", epochs=1, resume=True), CPU)
+    assert [r["epoch"] for r in records] == [1]
+    assert f"--resume: no {tmp_path / 'typo' / 'run' / 'checkpoint.pt'} yet; training from " \
+           "epoch 1" in capsys.readouterr().err
+
+
+def test_a_torn_last_metrics_line_does_not_stop_a_resume(tmp_path, monkeypatch):
+    cfg = tiny(tmp_path, epochs=3)
+    killed_in_epoch(cfg, 2, monkeypatch)
+    with open(cfg.out / "metrics.jsonl", "a") as f:
+        f.write('{"event": "epoch", "epo')  # the writer killed in the middle of a line
+    resumed = run(tiny(tmp_path, epochs=3, resume=True), CPU)
+    assert [r["epoch"] for r in resumed] == [2, 3]
+    from tutorial_utils.bench.experiment import load_run
+
+    assert [e["epoch"] for e in load_run(cfg.out / "metrics.jsonl").epochs] == [1, 2, 3]
+    assert sorted(p.name for p in cfg.out.iterdir()) == ["checkpoint.pt", "metrics.jsonl"]
+
+
+def test_training_stops_at_a_non_finite_loss_and_keeps_the_last_good_checkpoint(
+        tmp_path, monkeypatch):
+    real = train_mod.Trainer._forward_backward
+    calls = []
+
+    def nan_in_epoch_2(self, x, y):
+        out, loss = real(self, x, y)
+        calls.append(1)
+        return out, loss * float("nan") if len(calls) > self.steps_per_epoch + 2 else loss
+
+    monkeypatch.setattr(train_mod.Trainer, "_forward_backward", nan_in_epoch_2)
+    cfg = tiny(tmp_path, epochs=3)
+    with pytest.raises(train_mod.Diverged, match=r"not finite from step 11 on \(epoch 2\)"):
+        run(cfg, CPU)
+    assert torch.load(cfg.out / "checkpoint.pt", weights_only=True)["epoch"] == 0
+    from tutorial_utils.jsonl import read_jsonl
+
+    assert [r["epoch"] for r in read_jsonl(cfg.out / "metrics.jsonl") if "epoch" in r] == [1]
+
+
+def test_a_diverging_run_ends_in_one_line(capsys, tmp_path):
+    assert main(["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--lr",
+                 "1e30", "--data", "synthetic", "--device", "cpu", "--no-bf16", "--out",
+                 str(tmp_path / "run")]) == 2
+    *_, err = capsys.readouterr().err.strip().splitlines()  # after the synthetic-data warning
+    assert err.startswith("python -m tutorial_utils.train: error: the loss was not finite")
+    assert err.endswith("resume from the last checkpoint or start afresh")
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

@@ -1,16 +1,21 @@
 """Checkpoints written atomically and read back safely.
 
 A checkpoint is written to a temporary file in the same folder and renamed over the old one:
-a crash mid-write leaves the previous checkpoint intact. It is read with
-``torch.load(weights_only=True)``, which refuses to run code hidden in a file, after every
-member of the zip archive ``torch.save`` writes has passed its CRC check. Any damage is one
-``CheckpointError`` that says what to do.
+a crash mid-write leaves the previous checkpoint intact (and its temporary file, which the next
+save removes). It is read with ``torch.load(weights_only=True)``, which refuses to run code
+hidden in a file, after every member of the zip archive ``torch.save`` writes has passed its
+CRC check. A CRC vouches for one member only: a digest of the whole named state, stored with it
+and recomputed on loading, catches what the CRCs cannot (two same-sized tensors swapped, a
+member copied from another checkpoint). Any damage is one ``CheckpointError`` that says what to
+do.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
+import socket
 import tempfile
 import zipfile
 from collections.abc import Sequence
@@ -87,21 +92,76 @@ def _processes(n: int) -> str:
     return f"{n} process" if n == 1 else f"{n} processes"
 
 
+def state_digest(state: Any) -> str:
+    """SHA-256 of a nested state: every key, value, and tensor (dtype, shape, bytes), in order."""
+    h = hashlib.sha256()
+
+    def feed(obj: Any) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"tensor {t.dtype} {tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+        elif isinstance(obj, dict):
+            h.update(f"dict {len(obj)};".encode())
+            for key, value in obj.items():
+                h.update(f"{key!r}:".encode())
+                feed(value)
+        elif isinstance(obj, list | tuple):
+            h.update(f"{type(obj).__name__} {len(obj)};".encode())
+            for value in obj:
+                feed(value)
+        else:
+            h.update(f"{obj!r};".encode())
+
+    feed(state)
+    return h.hexdigest()
+
+
 def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """Write ``state`` to ``path`` atomically and durably (one writer per path at a time)."""
+    """Write ``state`` and its digest to ``path`` atomically and durably (one writer per path
+    at a time: a temporary file of this path is a killed writer's, and is removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a name of its own, so a second writer never writes into or deletes this one's file
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    for stale in _abandoned_temporaries(path):
+        stale.unlink(missing_ok=True)
+    body = {k: v for k, v in state.items() if k != "digest"}
+    # a name of its own, so a second writer never writes into or deletes this one's file; the
+    # writer's process id and machine in it tell a killed writer's file from a live one's
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.{socket.gethostname()}.",
+                                suffix=".tmp", dir=path.parent)
     tmp = Path(name)
     try:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the checkpoint from the run's readers
-        os.close(fd)
-        torch.save(state, tmp)
-        _fsync(tmp)  # the data on disk before the rename points the name at it
+        with os.fdopen(fd, "wb") as f:  # a file object: the archive's members are archive/...
+            torch.save({**body, "digest": state_digest(body)}, f)
+            f.flush()
+            os.fsync(f.fileno())  # the data on disk before the rename points the name at it
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
         _fsync(path.parent)  # the rename is an entry in the folder: a crash could undo it
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def _abandoned_temporaries(path: Path) -> list[Path]:
+    """Temporary files of ``path`` whose writer ran on this machine and is gone (killed
+    mid-write: ``finally`` never ran); ``.<name>.<pid>.<host>.<random>.tmp``."""
+    found = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        rest = tmp.name[len(path.name) + 2 : -len(".tmp")]
+        pid, _, host_and_random = rest.partition(".")
+        host = host_and_random.rpartition(".")[0]
+        if pid.isdigit() and host == socket.gethostname() and not _alive(int(pid)):
+            found.append(tmp)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: no signal, only the check that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, and belongs to someone else
+        return True
+    return True
 
 
 def _fsync(path: Path) -> None:
@@ -139,10 +199,15 @@ def _read(path: Path) -> dict[str, Any]:
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - damage surfaces as any type; the advice is one
         raise _damaged(path, type(err).__name__) from err
-    if bad is not None:
-        raise _damaged(path, f"{bad} fails its CRC check")
+    if bad is not None:  # "<archive folder>/data/3": the folder is the writer's file name
+        raise _damaged(path, f"its member {bad.split('/', 1)[-1]} fails its CRC check")
     if not isinstance(state, dict):
         raise _damaged(path, f"it holds a {type(state).__name__}, not a dict")
+    saved = state.pop("digest", None)
+    if saved is None:
+        raise _damaged(path, "it has no digest of its state")
+    if saved != state_digest(state):
+        raise _damaged(path, "its content does not match the digest written with it")
     return state
 
 

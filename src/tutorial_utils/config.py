@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import typing
 from dataclasses import MISSING, dataclass, field
@@ -202,7 +203,13 @@ class TrainConfig(Config):
             (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
             (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
             (self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
-            (self.lr > 0, f"--lr must be > 0, got {self.lr}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be a number > 0, got {self.lr}"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"--weight-decay must be a number >= 0, got {self.weight_decay}"),
+            (0 <= self.label_smoothing < 1,
+             f"--label-smoothing must be in [0, 1), got {self.label_smoothing}"),
+            (self.limit_per_class is None or self.limit_per_class >= 1,
+             f"--limit-per-class must be >= 1, got {self.limit_per_class}"),
             (0 <= self.warmup_epochs <= self.epochs,
              f"--warmup-epochs must be in [0, --epochs], got {self.warmup_epochs}"),
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),

@@ -72,6 +72,16 @@ def synthetic_cifar10(n_train: int = 5000, n_test: int = 1000, seed: int = 0) ->
     return Cifar10(tx, ty, vx, vy, name=f"synthetic ({n_train} train / {n_test} test, seed {seed})")
 
 
+def first_per_class(data: Cifar10, limit: int | None) -> Cifar10:
+    """The first ``limit`` training images of each class (all of them for None); test set whole."""
+    if limit is None:
+        return data
+    keep = torch.cat([torch.nonzero(data.train_y == c).flatten()[:limit] for c in range(10)])
+    keep = keep.sort().values
+    return Cifar10(data.train_x[keep], data.train_y[keep], data.test_x, data.test_y,
+                   name=f"{data.name}, {limit} per class")
+
+
 def _from_torchvision(root: Path, download: bool) -> Cifar10:
     """torchvision's copy under ``root``; with ``download``, fetched there first if missing."""
     from torchvision.datasets import CIFAR10
@@ -223,20 +233,20 @@ def _write_cache(path: Path, data: Cifar10) -> None:
 def load_cifar10(
     source: str | Path = "auto", limit_per_class: int | None = None, cache_dir: Path | None = None
 ) -> Cifar10:
-    """CIFAR-10 from ``source``; ``limit_per_class`` and ``cache_dir`` serve image folders.
+    """CIFAR-10 from ``source``, optionally only the first ``limit_per_class`` training images
+    of each class; ``cache_dir`` is where a decoded image folder is kept.
 
     ``source``: ``auto`` (torchvision's copy in ./data, downloaded when missing), ``synthetic``,
     a torchvision-layout folder, an image-folder tree, or a .tar/.tar.gz of one.
     """
     if source == "synthetic":
-        return synthetic_cifar10()
+        return first_per_class(synthetic_cifar10(), limit_per_class)
     path = Path("data") if source == "auto" else Path(source)
     if path.name == "cifar-10-batches-py":
         path = path.parent
-    if (path / "cifar-10-batches-py").is_dir():
-        return _from_torchvision(path, download=False)
-    if source == "auto":
-        return _from_torchvision(path, download=True)
+    if (path / "cifar-10-batches-py").is_dir() or source == "auto":
+        data = _from_torchvision(path, download=not (path / "cifar-10-batches-py").is_dir())
+        return first_per_class(data, limit_per_class)
     if not path.exists():
         raise DataError(f"--data {source}: no such file or folder; {_PASS}")
     cache = _cache_path(path, cache_dir, limit_per_class)

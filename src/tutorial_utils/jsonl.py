@@ -10,6 +10,8 @@ that write: :func:`read_jsonl` then drops the torn last line instead of failing.
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -20,6 +22,19 @@ def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
     text = "".join(json.dumps(r) + "\n" for r in records)
     with open(path, "a") as f:
         f.write(text)  # one write: the lines land whole, after any a reader already has
+
+
+def rewrite_jsonl(path: Path, records: Iterable[Mapping]) -> None:
+    """Replace ``path`` by ``records`` atomically: a reader, or a writer killed half-way, sees
+    the old file or the new one, never a mix (written to a temporary file, then renamed)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the records from other readers
+        with os.fdopen(fd, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in records)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def read_jsonl(path: Path) -> list[dict]:

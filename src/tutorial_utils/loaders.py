@@ -138,7 +138,11 @@ def dataloader(x: torch.Tensor, y: torch.Tensor, batch: int, *, rank: int = 0,
     dataset = _AugmentedImages(x, y, crop_pad, seed)
     sampler = _EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                             seed=seed, drop_last=True)
+    # A generator of its own: each new iterator draws its workers' base seed from it, not
+    # from the global RNG, whose draws (dropout) a resumed run must repeat exactly. The
+    # persistent workers start once per process, so a resumed process draws at another epoch.
     return _EpochLoader(
         dataset, batch_size=batch, sampler=sampler, num_workers=workers,
         pin_memory=pin_memory, drop_last=True, persistent_workers=workers > 0,
+        generator=torch.Generator().manual_seed(seed),
     )

@@ -9,7 +9,6 @@ configuration and the environment stamp) and a checkpoint to ``<out>/checkpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -21,9 +20,9 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, TrainConfig, parse, to_dict
 from .data import Cifar10, DataError, load_cifar10
 from .devices import NotEnoughGPUsError
-from .jsonl import read_jsonl, write_jsonl
+from .jsonl import read_jsonl, rewrite_jsonl, write_jsonl
 from .parallel.distributed import DistContext, distributed
-from .trainer import Trainer
+from .trainer import Diverged, Trainer
 
 
 def _load_data(cfg: TrainConfig, ctx: DistContext) -> Cifar10:
@@ -51,6 +50,9 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     trainer = Trainer(cfg, ctx, data)
     if cfg.resume and trainer.checkpoint_path.exists():
         trainer.restore()
+    elif cfg.resume and ctx.is_main:  # a first attempt, or a mistyped --out: say which it is
+        print(f"--resume: no {trainer.checkpoint_path} yet; training from epoch 1",
+              file=sys.stderr)
     with trainer.graph:  # a recorded graph is released before the process group goes
         return _train(cfg, ctx, data, trainer)
 
@@ -71,7 +73,7 @@ def _keep_records_until(metrics: Path, epoch: int) -> float:
     attempt may have logged an epoch and died before checkpointing it); return the training
     time so far, so that time to accuracy adds up over the attempts."""
     kept = [r for r in read_jsonl(metrics) if r["event"] != "epoch" or r["epoch"] <= epoch]
-    metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    rewrite_jsonl(metrics, kept)
     return next((r["train_time_s"] for r in reversed(kept) if r["event"] == "epoch"), 0.0)
 
 
@@ -114,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         with distributed(cfg.device) as ctx:
             cfg.batches(ctx.world_size)  # fail before loading anything
             run(cfg, ctx)
-    except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
+    except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError, Diverged) as err:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike
+            print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     return 0
 

@@ -8,6 +8,7 @@ checkpoint save and restore, and evaluation.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import time
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
-from .config import TrainConfig, to_dict
+from .config import ConfigError, TrainConfig, to_dict
 from .data import Cifar10
 from .loaders import DeviceLoader, dataloader, normalize
 from .models import WideResNet
@@ -29,6 +30,18 @@ from .step_graph import StepGraph
 from .timing import synchronize
 
 CRASH_ENV = "TUTORIAL_CRASH_AT_STEP"  # fault injection for chapter 6's demo, not a setting
+
+# What a resume must share with the run it continues: the model, the data and its order, the
+# optimisation and its numerics. Other settings (--tta, --compile, --step-graph, --device,
+# --deterministic, --checkpoint-every) change how the run executes, not what it trains; a resume
+# may change them, and each attempt's start record in metrics.jsonl says what it used.
+RESUME_MUST_MATCH = ("depth", "width", "dropout", "batch", "scaling", "seed", "epochs",
+                     "schedule", "warmup_epochs", "lr", "weight_decay", "label_smoothing",
+                     "crop_pad", "bf16", "loader")
+
+
+class Diverged(RuntimeError):
+    """The loss stopped being a finite number; the message says where and what to do."""
 
 
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
@@ -97,6 +110,12 @@ class Trainer:
             self.model = ddp(compile_for_ddp(self.net, cfg.compile, ctx), ctx)
         self.train_loader = self._train_loader()
         self.steps_per_epoch = len(self.train_loader)
+        if self.steps_per_epoch == 0:
+            n = len(self.data.train_x)
+            raise ConfigError(
+                f"--batch {cfg.batch} needs {self.per_gpu} images per process and step, but "
+                f"each of the {ctx.world_size} processes has {n // ctx.world_size} of the {n} "
+                "training images; use a smaller --batch or more data")
         # fused: on a GPU, decay, momentum and update in one pass over the tensors, not three
         self.optimizer = torch.optim.SGD(
             self.net.parameters(), lr=cfg.peak_lr(ctx.world_size), momentum=0.9,
@@ -124,6 +143,11 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.cfg.out / "checkpoint.pt"
 
+    @property
+    def dataset(self) -> dict[str, object]:
+        """What a resume checks it trains on: the data set's name and size, not its path."""
+        return {"name": self.data.name, "train_images": len(self.data.train_x)}
+
     def save(self, epoch: int) -> None:
         """Every rank sends its random state; rank 0 writes the checkpoint."""
         rngs = ckpt.gather_rng_states(self.ctx)
@@ -131,15 +155,21 @@ class Trainer:
             ckpt.save_checkpoint(self.checkpoint_path, {
                 "model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "rng": rngs, "epoch": epoch,
-                "config": to_dict(self.cfg), "world_size": self.ctx.world_size})
+                "config": to_dict(self.cfg), "world_size": self.ctx.world_size,
+                "dataset": self.dataset})
 
     def restore(self) -> None:
-        keys = ("depth", "width", "dropout", "batch", "scaling", "seed", "epochs", "schedule",
-                "warmup_epochs", "lr", "loader")
-        state = ckpt.load_checkpoint(self.checkpoint_path, {k: getattr(self.cfg, k) for k in keys},
-                                     required=("model", "optimizer", "scheduler", "rng", "epoch",
-                                               "world_size"))
-        ckpt.check_world_size(state, self.ctx.world_size, self.checkpoint_path)
+        path = self.checkpoint_path
+        state = ckpt.load_checkpoint(
+            path, {k: getattr(self.cfg, k) for k in RESUME_MUST_MATCH},
+            required=("model", "optimizer", "scheduler", "rng", "epoch", "world_size", "dataset"))
+        ckpt.check_world_size(state, self.ctx.world_size, path)
+        if state["dataset"] != self.dataset:
+            saved, now = state["dataset"], self.dataset
+            raise ckpt.CheckpointError(
+                f"{path} was trained on {saved['name']} ({saved['train_images']} images), this "
+                f"run has {now['name']} ({now['train_images']}); use the same --data and "
+                "--limit-per-class, or another --out")
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -153,6 +183,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=dev)
         correct = torch.zeros((), device=dev, dtype=torch.long)
         seen = 0
+        first_bad = torch.full((), -1, device=dev)  # the first step with a non-finite loss
         crash_at = int(os.environ.get(CRASH_ENV, -1))
         synchronize(dev)
         t0 = time.perf_counter()
@@ -167,10 +198,15 @@ class Trainer:
             loss_sum += loss.detach() * len(y)
             correct += (out.argmax(1) == y).sum()
             seen += len(y)
+            first_bad = torch.where((first_bad < 0) & ~loss.isfinite(), i, first_bad)
         synchronize(dev)
         seconds = time.perf_counter() - t0
         loss_total, correct_total, n = all_reduce_sum(self.ctx, loss_sum.item(),
                                                       correct.item(), seen)
+        if not math.isfinite(loss_total):  # the same sum on every rank: all of them stop
+            raise Diverged(f"the loss was not finite from step {first_bad.item() + 1} on "
+                           f"(epoch {epoch + 1}), and nothing of this epoch was saved; lower "
+                           "--lr, then resume from the last checkpoint or start afresh")
         return {"epoch_time_s": seconds, "images_per_s": n / seconds,
                 "train_loss": loss_total / n, "train_acc": correct_total / n}
 
