@@ -147,7 +147,8 @@ def test_rank0_torch_save_of_an_fsdp_model_holds_only_its_shards(dcp_runs):
 def test_loading_ignores_uncommitted_folders(tmp_path):
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
     assert latest_checkpoint(tmp_path) is None
-    (tmp_path / "step-000002").mkdir()
+    (tmp_path / ".step-000002.tmp").mkdir()
+    commit(tmp_path, tmp_path / ".step-000002.tmp", ctx)
     (tmp_path / ".step-000004.tmp").mkdir()  # a save killed half-way
     (tmp_path / ".step-000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
     assert latest_checkpoint(tmp_path).name == "step-000002"

@@ -14,10 +14,19 @@ def test_crashing_rank_is_reported_in_one_line_without_waiting_for_the_others():
     with pytest.raises(LaunchError) as err:
         torchrun(str(WORKERS / "crash_rank1.py"), nproc=2, timeout_s=60, echo=False)
     assert time.monotonic() - t0 < 60
-    assert str(err.value) == (
-        "rank 1 failed: ValueError: deliberate failure on rank 1 (full output above)"
-    )
+    assert str(err.value) == ("rank 1 failed: ValueError: deliberate failure on rank 1 "
+                              "(its full output is the error's .output)")  # echo=False
     assert "Traceback" in err.value.output
+
+
+def test_a_program_one_line_error_is_the_summary():
+    output = "\n".join([
+        "[default0]:python -m tutorial_utils.bench.workers.collectives: error: collectives "
+        "need several processes; use --nproc 2 or more",
+        "Root Cause (first observed failure):", "  local_rank: 0 (pid: 12)"])
+    assert failure_summary(output, 2) == (
+        "rank 0 failed: python -m tutorial_utils.bench.workers.collectives: error: collectives "
+        "need several processes; use --nproc 2 or more (full output above)")
 
 
 def test_timeout_kills_the_job_and_returns():
@@ -25,6 +34,19 @@ def test_timeout_kills_the_job_and_returns():
     with pytest.raises(LaunchError, match="timed out after 3 s; all processes were killed"):
         torchrun(str(WORKERS / "hang.py"), nproc=2, timeout_s=3, echo=False)
     assert time.monotonic() - t0 < 30
+
+
+def test_timeout_leaves_no_worker_behind_even_one_that_ignores_sigterm(tmp_path, monkeypatch):
+    from tutorial_utils import launch
+
+    monkeypatch.setattr(launch, "KILL_GRACE_S", 2.0)  # torchrun's own grace is 30 s
+    pidfile = tmp_path / "pid"
+    with pytest.raises(LaunchError, match="timed out"):
+        torchrun(str(WORKERS / "ignores_sigterm.py"), [str(pidfile)], nproc=2, timeout_s=8,
+                 echo=False)
+    pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
+    time.sleep(0.5)  # init reaps the orphans
+    assert launch._gone(set(pids)) == set(pids)
 
 
 def test_summary_without_torchrun_markers_falls_back_to_exit_code():

@@ -8,6 +8,7 @@ returns the metrics the workers wrote as JSON lines.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import selectors
@@ -26,6 +27,8 @@ _PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$")
 _TEE_TAG = re.compile(r"\[default\d+\]:")
 _RANK_TAG = re.compile(r"^\s*\[rank\d+\]:")  # torch tags lines once a process group exists
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")
+# A program's own one-line error, as the package's programs end on a bad setting or file.
+_CLI_ERROR = re.compile(r"^(python -m )?[\w./-]+: error: .+")
 # A C++ exception that ends the process (NCCL's watchdog after a timeout): std::terminate
 # names its type on one line and its message on the next.
 _CXX_TYPE = re.compile(r"^terminate called after throwing an instance of '([^']+)'")
@@ -47,8 +50,9 @@ class LaunchResult:
     metrics: list[dict] = field(default_factory=list)
 
 
-def failure_summary(output: str, returncode: int) -> str:
-    """One line: which rank failed first, and with which exception (Python's or C++'s)."""
+def failure_summary(output: str, returncode: int, echoed: bool = True) -> str:
+    """One line: which rank failed first, and with which exception (Python's or C++'s) or
+    which error message; ``echoed``: whether the output was shown as it came."""
     root = output.rsplit("Root Cause", 1)
     match = re.search(r"local_rank:\s*(\d+)", root[1]) if len(root) == 2 else None
     rank = match.group(1) if match else None
@@ -57,7 +61,7 @@ def failure_summary(output: str, returncode: int) -> str:
         prefixed = _PREFIX.match(line)
         if prefixed and (rank is None or prefixed.group(1) == rank):
             text = _RANK_TAG.sub("", _TEE_TAG.sub("", prefixed.group(2))).strip()
-            if _EXCEPTION.match(text):
+            if _EXCEPTION.match(text) or _CLI_ERROR.match(text):
                 last_error, rank = text, prefixed.group(1)
             elif found := _CXX_TYPE.match(text):
                 cxx_type = found.group(1)
@@ -65,7 +69,8 @@ def failure_summary(output: str, returncode: int) -> str:
                 cxx_error, rank = f"{cxx_type}: {found.group(1)}", prefixed.group(1)
     who = f"rank {rank}" if rank is not None else "the job"
     what = last_error or cxx_error or f"exit code {returncode}"
-    return f"{who} failed: {what} (full output above)"
+    where = "full output above" if echoed else "its full output is the error's .output"
+    return f"{who} failed: {what} ({where})"
 
 
 def _stream(proc: subprocess.Popen, deadline: float, echo: bool) -> tuple[list[str], bool]:
@@ -86,18 +91,62 @@ def _stream(proc: subprocess.Popen, deadline: float, echo: bool) -> tuple[list[s
             print(lines[-1], flush=True)
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Stop a process started with ``start_new_session=True`` and all its children."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+KILL_GRACE_S = 10.0  # how long a timed-out job has to stop on SIGTERM before SIGKILL
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``, read from Linux's /proc (none found elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces and brackets
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # it exited while we looked
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float | None = None) -> None:
+    """Stop a process started with ``start_new_session=True`` and every process below it.
+
+    SIGTERM to its process group first, which lets torchrun pass it on to its workers; then,
+    after ``grace_s``, SIGKILL to the group and to each descendant still running. torchrun
+    starts every worker in a session of its own, out of reach of a signal to torchrun's group,
+    and a worker that ignores SIGTERM (blocked in a collective, or saving a checkpoint on
+    SIGTERM) would outlive torchrun. The descendants are listed while the job runs: once their
+    parent is killed they belong to init, and nothing links them to this job any more.
+    """
+    job = descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + (KILL_GRACE_S if grace_s is None else grace_s)
+    while time.monotonic() < deadline and (proc.poll() is None or job - _gone(job)):
+        job |= descendants(proc.pid)
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in job - _gone(job):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _gone(pids: set[int]) -> set[int]:
+    """The processes of ``pids`` that have exited (a zombie counts as exited)."""
+    gone = set()
+    for pid in pids:
         try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            state = "Z"
+        if state in ("Z", "X"):
+            gone.add(pid)
+    return gone
 
 
 def torchrun(
@@ -142,6 +191,6 @@ def torchrun(
     if timed_out:
         raise LaunchError(f"timed out after {timeout_s:.0f} s; all processes were killed", output)
     if proc.returncode != 0:
-        raise LaunchError(failure_summary(output, proc.returncode), output)
+        raise LaunchError(failure_summary(output, proc.returncode, echo), output)
     metrics = read_jsonl(metrics_file) if metrics_file is not None else []
     return LaunchResult(proc.returncode, output, metrics)

@@ -9,7 +9,10 @@ that does not depend on the wrapper (FSDP, DDP or none), keyed by parameter name
 
 A save is atomic: the shards go to a temporary folder that rank 0 renames into place only
 after every rank has finished writing, so a job killed mid-save leaves the previous checkpoint
-usable. Every rank must see the same folder (one machine, or a shared file system).
+usable. Every rank must see the same folder (one machine, or a shared file system). Before the
+rename, rank 0 writes the SHA-256 of every file to ``digests.json``: DCP checks no checksum,
+and a flipped bit in a shard would load as an altered weight without a word. A load verifies
+every file first; any damage, or a checkpoint of another model, is one ``CheckpointError``.
 
 Buffers that FSDP leaves whole, such as BatchNorm's running statistics, are saved once. Under
 FSDP each rank updates its own copy and nothing synchronises them (DDP copies rank 0's into
@@ -19,6 +22,8 @@ optimizer state are sharded and restored exactly.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
 from pathlib import Path
@@ -26,11 +31,14 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .checkpoint import CheckpointError
 from .parallel.distributed import DistContext
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+DIGESTS = "digests.json"  # written last: a folder with it is complete
 
 
 def save_sharded(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -62,6 +70,8 @@ def commit(root: Path, tmp: Path, ctx: DistContext) -> Path:
     final = root / tmp.name[1:].removesuffix(".tmp")
     ctx.barrier()  # dcp.save returned everywhere: all shards and the metadata are on disk
     if ctx.is_main:
+        digests = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        (tmp / DIGESTS).write_text(json.dumps(digests, indent=1))
         if final.exists():  # the same step saved again by a resumed job
             shutil.rmtree(final)
         tmp.rename(final)  # atomic on one file system; readers see no folder or a whole one
@@ -71,10 +81,35 @@ def commit(root: Path, tmp: Path, ctx: DistContext) -> Path:
     return final
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest committed ``step-N`` folder under ``root`` (temporary folders ignored)."""
-    found = [p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()]
+    """The newest complete ``step-N`` folder under ``root``: temporary folders, and step
+    folders without their digests (emptied, or copied in part), are passed over."""
+    found = [p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and (p / DIGESTS).is_file()]
     return max(found, key=lambda p: int(p.name[5:]), default=None)
+
+
+def verify(path: Path) -> None:
+    """Raise ``CheckpointError`` unless every file of ``path`` matches its recorded digest."""
+    advice = f"delete {path} to resume from the checkpoint before it, or start afresh"
+    try:
+        digests = json.loads((path / DIGESTS).read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(f"{path} has no readable {DIGESTS}: not a complete checkpoint; "
+                              f"{advice}") from None
+    for name, digest in digests.items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{path} lacks {name}; {advice}")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"{file} does not match its digest (damaged); {advice}")
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -83,9 +118,16 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
     DCP reads into the tensors it is given, so the state dicts of this job's model and
     optimizer say which slices each rank needs, whatever the job that wrote them.
     """
+    verify(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": -1}
-    dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    # DCP's CheckpointException derives from BaseException: `except Exception` misses it
+    except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
+        why = (str(err).strip().splitlines() or [type(err).__name__])[-1][:160]
+        raise CheckpointError(f"{path} does not fit this model and optimizer (written for "
+                              f"another --model?): {why}") from None
     return state["step"]

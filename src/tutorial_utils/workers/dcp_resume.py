@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..checkpoint import CheckpointError
+from ..config import Config, ConfigError, check, check_wrn, opt, parse_or_exit
 from ..jsonl import write_jsonl
 from ..models import wide_resnet
 from ..parallel.distributed import DistContext, all_reduce_sum, distributed
@@ -105,10 +107,17 @@ def export(model, opt, ctx: DistContext, args: DcpConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_or_exit(DcpConfig, argv, __spec__.name)
+    try:
+        run(args)
+    except (ConfigError, CheckpointError) as err:  # every rank fails alike: one line each
+        print(f"python -m {__spec__.name}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def run(args: DcpConfig) -> None:
     with distributed(args.device) as ctx:
-        if args.slices % ctx.world_size:
-            raise SystemExit(f"--slices {args.slices} must be a multiple of the "
-                             f"{ctx.world_size} processes")
+        check((args.slices % ctx.world_size == 0,
+               f"--slices {args.slices} must be a multiple of the {ctx.world_size} processes"))
         if ctx.device.type == "cpu":
             # torchrun gives each of several processes one thread, a lone process all cores;
             # one thread everywhere makes the CPU kernels add up in the same order.

@@ -1,0 +1,114 @@
+"""Sharded (DCP) checkpoints under damage: every altered file is caught, and a checkpoint of
+another model, a truncated shard, a missing metadata file or an emptied folder is one clear
+error or a fall-back to the last complete checkpoint, never a silent load or a traceback."""
+
+import random
+import shutil
+
+import pytest
+import torch
+
+from tutorial_utils.checkpoint import CheckpointError
+from tutorial_utils.models import wide_resnet
+from tutorial_utils.parallel.distributed import DistContext
+from tutorial_utils.sharded_checkpoint import latest_checkpoint, load_sharded, save_sharded
+from tutorial_utils.workers import dcp_resume
+
+CPU = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+
+
+def model_and_optimizer(name: str = "wrn-10-1", seed: int = 0):
+    torch.manual_seed(seed)
+    model = wide_resnet(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loss = model(torch.randn(2, 3, 32, 32)).sum()
+    loss.backward()
+    opt.step()  # a momentum buffer per parameter
+    return model, opt
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp")
+    model, opt = model_and_optimizer()
+    return save_sharded(root, 3, model, opt, CPU), model
+
+
+def fresh_copy(saved, tmp_path):
+    path, _ = saved
+    copy = tmp_path / path.name
+    shutil.copytree(path, copy)
+    return copy
+
+
+def test_a_complete_checkpoint_loads_exactly(saved):
+    path, written = saved
+    model, opt = model_and_optimizer(seed=1)
+    assert load_sharded(path, model, opt) == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 written.state_dict().values(), strict=True))
+
+
+def test_no_flipped_bit_in_any_file_loads(saved, tmp_path):
+    path = fresh_copy(saved, tmp_path)
+    files = sorted(p for p in path.iterdir() if p.name != "digests.json")
+    rng, loaded = random.Random(0), []
+    model, opt = model_and_optimizer(seed=1)
+    for _ in range(200):
+        file = rng.choice(files)
+        good = file.read_bytes()
+        data = bytearray(good)
+        k = rng.randrange(len(data))
+        data[k] ^= 1 << rng.randrange(8)
+        file.write_bytes(bytes(data))
+        try:
+            load_sharded(path, model, opt)
+            loaded.append((file.name, k))
+        except CheckpointError as err:
+            assert "\n" not in str(err) and "does not match its digest" in str(err)
+        file.write_bytes(good)
+    assert not loaded
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "no metadata", "no digests"])
+def test_a_damaged_checkpoint_is_one_clear_error(saved, tmp_path, damage):
+    path = fresh_copy(saved, tmp_path)
+    shard = next(path.glob("*.distcp"))
+    if damage == "truncated shard":
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif damage == "no metadata":
+        (path / ".metadata").unlink()
+    else:
+        (path / "digests.json").unlink()
+    model, opt = model_and_optimizer(seed=1)
+    with pytest.raises(CheckpointError) as err:
+        load_sharded(path, model, opt)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_checkpoint_of_another_model_is_one_clear_error(saved):
+    path, _ = saved
+    model, opt = model_and_optimizer("wrn-10-2")
+    with pytest.raises(CheckpointError, match="does not fit this model") as err:
+        load_sharded(path, model, opt)
+    assert "\n" not in str(err.value)
+
+
+def test_an_emptied_newest_folder_falls_back_to_the_last_complete_one(saved, tmp_path):
+    shutil.copytree(saved[0], tmp_path / "step-000003")
+    (tmp_path / "step-000005").mkdir()  # emptied by hand, or copied in part
+    assert latest_checkpoint(tmp_path).name == "step-000003"
+
+
+def test_the_worker_reports_a_damaged_checkpoint_in_one_line(saved, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    path = fresh_copy(saved, ckpt)
+    shard = next(path.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(SystemExit) as exit_:
+        dcp_resume.main(["--ckpt", str(ckpt), "--out", str(tmp_path / "out.pt"), "--resume",
+                         "--steps", "4"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m tutorial_utils.workers.dcp_resume: error: ")
+    assert "does not match its digest" in err and "\n" not in err
