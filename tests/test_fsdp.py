@@ -6,12 +6,14 @@ variants skip without two GPUs.
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
 from tutorial_utils.bench.workers import fsdp_step
 from tutorial_utils.config import ConfigError
+from tutorial_utils.jsonl import read_jsonl
 from tutorial_utils.launch import torchrun
 from tutorial_utils.models import wide_resnet
 from tutorial_utils.parallel.distributed import DistContext
@@ -189,3 +191,15 @@ def test_sharding_lets_a_model_train_that_ddp_cannot_under_a_memory_cap(tmp_path
                              nproc=2, timeout_s=600, metrics_file=out, echo=False).metrics
         fits[mode] = record["fits"]
     assert fits == {"ddp": False, "zero3-blocks": True}
+
+
+def test_zero3_reshards_after_forward_and_zero2_keeps_the_blocks_gathered(tmp_path):
+    """What tells ZeRO-2 from ZeRO-3 apart: between forward and backward, ZeRO-3's units are
+    back to their shards (half of each block per rank on 2), ZeRO-2's stay whole."""
+    out = tmp_path / "gathered.jsonl"
+    torchrun(str(Path(__file__).parent / "workers" / "fsdp_gathered.py"), [str(out)], nproc=2,
+             timeout_s=120, echo=False)
+    zero3, zero2 = read_jsonl(out)
+    assert zero3["reshard_after_forward"] and not zero2["reshard_after_forward"]
+    assert zero3["sharded"] == zero3["params"] > 0 and zero3["held"] == zero3["full"] // 2
+    assert zero2["sharded"] == 0 and zero2["held"] == zero2["full"]

@@ -103,6 +103,32 @@ def test_replayed_steps_equal_eager_steps_on_new_batches(optimizer_in_graph):
     torch.testing.assert_close(weights[1], weights[0])
 
 
+@pytest.mark.gpu
+def test_capture_puts_back_every_state_its_warm_up_changed():
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 3)).to(dev)
+    opt = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.1, device=dev), momentum=0.9,
+                          fused=True)
+    x, y = torch.randn(64, 8, device=dev), torch.randint(0, 3, (64,), device=dev)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+
+    def body():  # the warm-up steps change weights, BatchNorm's statistics and momentum
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    with StepGraph(dev) as graph:
+        graph.capture(body, net, opt, warmup=3)
+        torch.cuda.synchronize()
+        after = net.state_dict()
+        changed = [k for k in before if not torch.equal(after[k], before[k])]
+        assert not changed, changed  # weights, running statistics, num_batches_tracked
+        momenta = [s["momentum_buffer"] for s in opt.state.values()]
+        assert momenta and all(torch.count_nonzero(m) == 0 for m in momenta)  # as if new
+
+
 @pytest.mark.multigpu
 def test_ddp_all_reduces_run_inside_the_replayed_graph():
     result = torchrun(str(WORKERS / "graph_ddp.py"), nproc=2, timeout_s=300, echo=False)
