@@ -23,6 +23,7 @@ import dataclasses
 import math
 import sys
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -52,6 +53,21 @@ def check_wrn(name: str, flag: str = "--model") -> None:
         wrn_shape(name)
     except ValueError as err:
         raise ConfigError(f"{flag}: {err}") from None
+
+
+def check_gpus(n: int, flag: str, cpu: str, fewest: int = 1) -> None:
+    """Raise :class:`ConfigError` if ``flag`` asks for ``n`` GPUs and this machine has fewer.
+
+    The message says how many there are and what to use instead: ``flag`` with that many (if
+    that is at least ``fewest``, the option's minimum), a larger machine, or ``cpu``.
+    """
+    from .devices import gpu_count
+
+    have = gpu_count()
+    if n > have:
+        fewer = f"{flag} {have}, " if have >= fewest else ""
+        raise ConfigError(f"{flag} {n}: asked for {n} GPU(s) but this machine has {have}; use "
+                          f"{fewer}a machine with {n} GPUs, or {cpu}")
 
 
 class Config:
@@ -117,11 +133,19 @@ def parse(cls: type, argv: list[str] | None, prog: str, description: str | None 
     return cls(**values)
 
 
-def parse_or_exit(cls: type, argv: list[str] | None, module: str):
-    """:func:`parse` for ``python -m module``; an invalid setting ends it with one line (exit 2)."""
+def parse_or_exit(cls: type, argv: list[str] | None, module: str,
+                  machine: Callable[[Any], None] | None = None):
+    """:func:`parse` for ``python -m module``; an invalid setting ends it with one line (exit 2).
+
+    ``machine(cfg)``, if given, then checks what needs this machine (enough GPUs), and ends the
+    program the same way, before any work.
+    """
     prog = f"python -m {module}"
     try:
-        return parse(cls, argv, prog)
+        cfg = parse(cls, argv, prog)
+        if machine is not None:
+            machine(cfg)
+        return cfg
     except ConfigError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None

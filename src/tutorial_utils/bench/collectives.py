@@ -17,7 +17,7 @@ from typing import Literal
 
 import torch
 
-from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..config import Config, check, check_gpus, check_wrn, opt, parse_or_exit
 from ..devices import gpu_count
 from ..launch import torchrun
 from ..models import wide_resnet
@@ -32,9 +32,10 @@ WORKER = "tutorial_utils.bench.workers.collectives"
 RING = "ring_all_reduce"
 LABELS = {name: name.replace("_", "-") for name in COLLECTIVES} | {RING: "ring (by hand)"}
 GRADIENTS_OF = "wrn-28-10"
+MIN_BYTES = 4096  # the smallest message
 
 
-def message_sizes(max_bytes: int, min_bytes: int = 4096, factor: int = 4) -> list[int]:
+def message_sizes(max_bytes: int, min_bytes: int = MIN_BYTES, factor: int = 4) -> list[int]:
     """``min_bytes``, ``min_bytes * factor``, ... up to ``max_bytes``."""
     sizes = [min_bytes]
     while sizes[-1] * factor <= max_bytes:
@@ -59,11 +60,13 @@ def human_bytes(n: float) -> str:
 class CollectivesConfig(Config):
     """The collectives over message sizes, and the alpha-beta model fitted to them."""
 
-    nproc: int = opt(2, "processes: one per GPU when there are as many, else CPU processes")
+    nproc: int = opt(2, "processes, a power of two: one per GPU (CPU processes on a machine "
+                     "without GPUs, or with --device cpu)")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "auto: cuda when there is a GPU per "
                                                  "process")
-    max_mb: float | None = opt(None, "largest message in MiB (default: 256 on GPUs, 16 on CPUs)")
-    factor: int = opt(2, "each size is this many times the one before, from 4 KiB")
+    max_mb: float | None = opt(None, "largest message in MiB, 0.004 to 8192 (default: 256 on "
+                               "GPUs, 16 on CPUs)")
+    factor: int = opt(2, "each size is this many times the one before, from 4 KiB (2..1024)")
     gradients_of: str = opt(GRADIENTS_OF, "the network whose gradients' all-reduce tests the fit")
     warmup: int = opt(5, "untimed calls of each collective at each size")
     repeats: int = opt(20, "timed calls; the median is reported")
@@ -73,10 +76,26 @@ class CollectivesConfig(Config):
         check_wrn(self.gradients_of, "--gradients-of")
         check((self.nproc >= 2, f"--nproc must be >= 2: collectives need several processes, "
                f"got {self.nproc}"),
-              (self.max_mb is None or self.max_mb * 2**20 >= 4096,
-               f"--max-mb must be at least 4 KiB (0.004), got {self.max_mb}"),
-              (self.factor >= 2, f"--factor must be >= 2, got {self.factor}"),
-              (self.warmup >= 0 and self.repeats >= 1, "need --warmup >= 0 and --repeats >= 1"))
+              # every size, 4 KiB x factor^k, is cut into float32 pieces, one per process
+              (self.nproc < 2 or MIN_BYTES % (4 * self.nproc) == 0,
+               f"--nproc must be a power of two that divides 1024 (2, 4, 8, ...), so that every "
+               f"size splits evenly; got {self.nproc}"),
+              # nan fails both comparisons; 8 GiB is as far as nccl-tests usually go
+              (self.max_mb is None or MIN_BYTES <= self.max_mb * 2**20 <= 2**33,
+               f"--max-mb must be in [0.004, 8192] (4 KiB to 8 GiB), got {self.max_mb}"),
+              (2 <= self.factor <= 1024, f"--factor must be in 2..1024, got {self.factor}"),
+              (self.max_mb is None or MIN_BYTES * self.factor <= self.max_mb * 2**20,
+               f"--max-mb {self.max_mb} with --factor {self.factor} gives one message size, "
+               f"and a fit needs two; use --max-mb >= {MIN_BYTES * self.factor / 2**20:g} or a "
+               "smaller --factor"),
+              (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
+              (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
+
+    def check_machine(self) -> None:
+        """One GPU per process; CPU processes with --device cpu or on a machine without GPUs."""
+        if self.device == "cuda" or (self.device == "auto" and gpu_count()):
+            check_gpus(self.nproc, "--nproc", "--device cpu (gloo between CPU processes)",
+                       fewest=2)
 
     @property
     def on(self) -> str:
@@ -223,7 +242,8 @@ def _gradient_summary(records: list[dict], model: AlphaBeta, largest: int) -> di
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(CollectivesConfig, argv, __spec__.name)
+    cfg = parse_or_exit(CollectivesConfig, argv, __spec__.name,
+                        CollectivesConfig.check_machine)
     rows = run(cfg)
     fits = fit(rows)
     s = summary(rows, fits)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import check, opt, parse_or_exit
+from ..config import check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count
 from ..parallel.collectives import ring_all_reduce_seconds
 from . import records, workload
@@ -31,7 +31,7 @@ class DataParallelConfig(Workload):
     """Data parallelism on one machine, measured side by side in one run."""
 
     batch: int = opt(256, "images per GPU and step")
-    gpus: int = opt(2, "GPUs (or CPU processes, without them) for DataParallel and DDP")
+    gpus: int = opt(2, "GPUs for DataParallel and DDP (CPU processes on a machine without GPUs)")
     graphs: bool = opt(True, "also time the network as CUDA graphs (GPU only)")
     record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
 
@@ -39,6 +39,11 @@ class DataParallelConfig(Workload):
         super().__post_init__()
         check((self.gpus >= 2, f"--gpus must be >= 2 (data parallelism needs two), got "
                f"{self.gpus}"))
+
+    def check_machine(self) -> None:
+        """One GPU per process; only a machine without GPUs runs CPU processes instead."""
+        if gpu_count():
+            check_gpus(self.gpus, "--gpus", "CUDA_VISIBLE_DEVICES= for CPU processes", fewest=2)
 
 
 @dataclass
@@ -167,7 +172,8 @@ def plot(rows: list[Row], ddp: dict, title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(DataParallelConfig, argv, __spec__.name)
+    cfg = parse_or_exit(DataParallelConfig, argv, __spec__.name,
+                        DataParallelConfig.check_machine)
     rows, ddp = run(cfg)
     print(table_of(rows))
     print(f"\nall-reduce of {ddp['grad_bytes'] / 1e6:.0f} MB at {ddp['bus_gbps']:.0f} GB/s bus "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import statistics
 import tempfile
 import time
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import Config, check, check_wrn, opt, parse_or_exit
+from ..config import Config, ConfigError, check, check_gpus, check_wrn, opt, parse_or_exit
 from ..devices import devices_for, gpu_count
 from ..launch import torchrun
 from ..models import wide_resnet
@@ -53,9 +54,9 @@ class ModelParallelConfig(Config):
     """Model parallelism measured in one run: one device, naive split, pipelined for each m."""
 
     model: str = opt("wrn-28-10", "the network, WRN-depth-width")
-    batch: int = opt(2048, "images per step")
+    batch: int = opt(2048, "images per step, a multiple of every m")
     micro_batches: tuple[int, ...] = opt((1, 2, 4, 8, 16, 32), "the pipeline's m, each timed")
-    devices: int = opt(2, "stages, one per device (one device repeated without enough GPUs)")
+    devices: int = opt(2, "stages, one per GPU, 2..8 (on a machine without GPUs, CPU stages)")
     repeats: int = opt(10, "timed steps of each run")
     schedules: bool = opt(False, "also time GPipe and 1F1B with one stage per process")
     worker_micro_batches: int = opt(8, "m of the one-stage-per-process pipelines")
@@ -69,8 +70,27 @@ class ModelParallelConfig(Config):
               (all(1 <= m <= self.batch for m in ms),
                f"every m must be in 1..--batch ({self.batch}): a micro-batch holds at least "
                f"one image, got {ms}"),
-              (self.devices >= 1, f"--devices must be >= 1, got {self.devices}"),
+              # the smallest WRN, wrn-10-1, has 9 layers: 8 stages always get one each
+              (2 <= self.devices <= 8, f"--devices must be in 2..8 (a split needs two stages), "
+               f"got {self.devices}"),
               (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
+        if twice := next((m for m in self.micro_batches if self.micro_batches.count(m) > 1), None):
+            raise ConfigError(f"--micro-batches lists {twice} twice; name each m once")
+        # x.chunk(m) cuts a batch m does not divide into unequal (or fewer than m) micro-batches
+        pairs = [("--micro-batches", m) for m in self.micro_batches]
+        for flag, m in [*pairs, ("--worker-micro-batches", self.worker_micro_batches)]:
+            if self.batch % m:
+                every = math.lcm(*ms)
+                fits = math.ceil(self.batch / every) * every
+                raise ConfigError(f"--batch {self.batch} is not a multiple of {flag} {m}: the "
+                                  f"micro-batches would differ in size; use --batch {fits}, a "
+                                  "multiple of every m")
+
+    def check_machine(self) -> None:
+        """One GPU per stage; only a machine without GPUs runs the stages on its CPU."""
+        if gpu_count():
+            check_gpus(self.devices, "--devices", "CUDA_VISIBLE_DEVICES= to run the stages on "
+                       "the CPU", fewest=2)
 
 
 @dataclass
@@ -260,7 +280,8 @@ def plot(rows: list[PipelineRow], stages: int, title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(ModelParallelConfig, argv, __spec__.name)
+    cfg = parse_or_exit(ModelParallelConfig, argv, __spec__.name,
+                        ModelParallelConfig.check_machine)
     rows, devices = run(cfg)
     device = "cuda" if gpu_count() >= cfg.devices else "cpu"
     schedules = schedule_times(cfg, device) if cfg.schedules else {}

@@ -15,14 +15,13 @@ the same run.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
-from ..config import Config, ConfigError, check, opt, parse_or_exit
-from ..devices import NotEnoughGPUsError, gpu_count, require_gpus
+from ..config import Config, ConfigError, check, check_gpus, opt, parse_or_exit
+from ..devices import gpu_count, require_gpus
 from ..parallel.collectives import ring_all_reduce_seconds
 from . import records
 from .report import Column, legend_outside, table
@@ -65,10 +64,27 @@ class ScalingConfig(Config):
         check((bool(self.gpus) and min(self.gpus) >= 2,
                f"--gpus: scaling needs 2 or more GPUs per run, got {self.gpus}"),
               (bool(self.modes), "--modes needs at least one mode"),
-              (min(self.global_batch, self.per_gpu_batch) >= 1, "the batches must be >= 1"))
+              (min(self.global_batch, self.per_gpu_batch) >= 1,
+               f"the batches must be >= 1, got --global-batch {self.global_batch} "
+               f"--per-gpu-batch {self.per_gpu_batch}"))
+        for flag, values in (("--gpus", self.gpus), ("--modes", self.modes)):
+            if twice := next((v for v in values if values.count(v) > 1), None):
+                raise ConfigError(f"{flag} lists {twice} twice; name each once")
         if bad := [n for n in self.gpus if self.global_batch % n]:
             raise ConfigError(f"--global-batch {self.global_batch} is not divisible by {bad[0]} "
-                              "GPUs")
+                              f"GPUs; use a multiple of {bad[0]}")
+
+    @property
+    def on(self) -> str:
+        """Where the runs go: cuda, or cpu for CPU processes in place of GPUs."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if gpu_count() else "cpu"
+
+    def check_machine(self) -> None:
+        """On cuda, every GPU count needs that many GPUs; --device cpu needs none."""
+        if self.on == "cuda":
+            check_gpus(max(self.gpus), "--gpus", "--device cpu (CPU processes)", fewest=2)
 
 
 @dataclass
@@ -126,7 +142,7 @@ def run(cfg: ScalingConfig) -> list[Run]:
     GPU-only modes are left out; on "cuda", asking for more GPUs than there are is an error
     rather than a silent run on the CPU.
     """
-    device = cfg.device if cfg.device != "auto" else "cuda" if gpu_count() else "cpu"
+    device = cfg.on
     modes = [m for m in cfg.modes if device == "cuda" or m not in GPU_ONLY_MODES] or ["eager"]
     if device == "cuda":
         require_gpus(max(cfg.gpus))
@@ -247,14 +263,10 @@ def plot(runs: list[Run], title: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(ScalingConfig, argv, __spec__.name)
+    cfg = parse_or_exit(ScalingConfig, argv, __spec__.name, ScalingConfig.check_machine)
     if gpu_count() == 0 and set(cfg.modes) & set(GPU_ONLY_MODES):
         print("no GPU: the CUDA-graph runs are left out")
-    try:
-        runs = run(cfg)
-    except NotEnoughGPUsError as err:
-        print(f"python -m tutorial_utils.bench.scaling: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    runs = run(cfg)
     print(table_of(runs))
     print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
     if cfg.record:
