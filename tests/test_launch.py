@@ -41,8 +41,9 @@ def test_timeout_leaves_no_worker_behind_even_one_that_ignores_sigterm(tmp_path,
 
     monkeypatch.setattr(launch, "KILL_GRACE_S", 2.0)  # torchrun's own grace is 30 s
     pidfile = tmp_path / "pid"
+    # long enough for both workers to start on a slow machine; the grace above stays short
     with pytest.raises(LaunchError, match="timed out"):
-        torchrun(str(WORKERS / "ignores_sigterm.py"), [str(pidfile)], nproc=2, timeout_s=8,
+        torchrun(str(WORKERS / "ignores_sigterm.py"), [str(pidfile)], nproc=2, timeout_s=12,
                  echo=False)
     pids = [int((tmp_path / f"pid.{rank}").read_text()) for rank in range(2)]
     time.sleep(0.5)  # init reaps the orphans
