@@ -6,7 +6,8 @@ import math
 import pytest
 
 from tutorial_utils.config import TrainConfig
-from tutorial_utils.solutions import ch01, ch02, ch03, ch04, ch05, ch05b, ch05d, ch05e, ch06
+from tutorial_utils.parallel.tensor import tp_comm_over_compute
+from tutorial_utils.solutions import ch01, ch02, ch03, ch04, ch05, ch05b, ch05d, ch05e, ch06, ch07
 
 
 def test_ch1_output_shape_of_a_larger_input():
@@ -146,3 +147,12 @@ def test_ch6_zero_bytes_for_a_large_model_and_the_resume_point():
         [112, 7 * (4 + 12 / 8), 7 * (2 + 14 / 8), 7 * 16 / 8])
     # 50,000 / 128 = 390 steps per epoch: step 450 is in epoch 1 (0-based), 60 steps redone
     assert ch06.resume_point(450, 50_000 // 128) == (1, 60)
+
+
+def test_ch7_all_reduce_time_break_even_width_and_2d_state():
+    # 8192 tokens x 4096 wide x 32 blocks on 8 ranks: 4 x 32 x 1.75 x 64 MiB = 15 GB per step
+    ms = ch07.tp_all_reduce_ms(8192, 4096, 32, tp=8, bus_gbps=400)
+    assert ms == pytest.approx(4 * 32 * 2 * 7 / 8 * 8192 * 4096 * 2 / 400e9 * 1e3)
+    dim = ch07.break_even_dim(8, flops_per_s=700e12, bus_gbps=400)
+    assert tp_comm_over_compute(round(dim), 8, 700e12, 400) == pytest.approx(1, rel=1e-3)
+    assert ch07.params_per_rank_2d(8e9, dp=4, tp=8) == 2.5e8

@@ -1,0 +1,307 @@
+"""Chapter 7's measurements: the GPT on one GPU, its training curve, and TP on N GPUs.
+
+    python -m tutorial_utils.bench.transformer                    # one GPU (or the CPU, small)
+    python -m tutorial_utils.bench.transformer --gpus 2 --record  # TP against FSDP2, N GPUs
+
+On one device: the training step's time, throughput and peak memory at a few batch sizes,
+each with and without activation checkpointing (:func:`step_rows`); then a short training run
+on the standard library's source (:func:`train`). With ``--gpus N`` it starts
+:mod:`tutorial_utils.bench.workers.tp_step` under torchrun, which times FSDP2, TP, TP with
+sequence parallelism, and (N >= 4) the 2-D mesh on the same model and global batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from ..config import Config, check, check_gpus, opt, parse_or_exit
+from ..launch import torchrun
+from ..models.gpt import GPT, GPTConfig, flops_per_token, lm_loss
+from ..text import Corpus, batch, stdlib_corpus, synthetic_corpus
+from ..timing import benchmark, synchronize
+from . import records
+from .report import Column, table
+
+RECORD = "07-tensor-parallel"
+WORKER = "tutorial_utils.bench.workers.tp_step"
+
+
+@dataclass
+class TransformerConfig(Config):
+    """The GPT's step, memory and training curve on one device; or TP against FSDP2 on N GPUs."""
+
+    dim: int = opt(768, "model width (768, 12 layers, 12 heads: GPT-2 small's shape)")
+    layers: int = opt(12, "transformer blocks")
+    heads: int = opt(12, "attention heads")
+    seq: int = opt(1024, "bytes per sequence")
+    batches: tuple[int, ...] = opt((8, 16, 32), "sequences per step, one row each")
+    repeats: int = opt(10, "timed steps per row")
+    train_steps: int = opt(600, "steps of the training run (0: none)")
+    train_batch: int = opt(32, "sequences per training step")
+    lr: float = opt(1e-3, "peak learning rate (AdamW; warm-up, then cosine)")
+    data: Literal["stdlib", "synthetic"] = opt("stdlib", "the text to train on")
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the one-device part runs")
+    gpus: int = opt(0, "N >= 2: time TP against FSDP2 on N GPUs instead (the record)")
+    record: bool = opt(False, f"with --gpus: write the result as the record {RECORD}")
+
+    def __post_init__(self) -> None:
+        check((min(self.dim, self.heads, self.layers, self.seq) >= 1,
+               "--dim, --heads, --layers and --seq must be >= 1"),
+              (self.dim % self.heads == 0,
+               f"dim={self.dim} must be a multiple of heads={self.heads}"),
+              (all(b >= 1 for b in self.batches) and self.batches, "--batches: give sizes >= 1"),
+              (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"),
+              (self.train_steps >= 0 and self.train_batch >= 1,
+               "--train-steps must be >= 0 and --train-batch >= 1"),
+              (math.isfinite(self.lr) and self.lr > 0, f"--lr must be a number > 0, got {self.lr}"),
+              (self.gpus == 0 or self.gpus >= 2, f"--gpus must be 0 or >= 2, got {self.gpus}"),
+              (not self.record or self.gpus >= 2, "--record needs --gpus N (N >= 2)"))
+
+    @property
+    def model(self) -> GPTConfig:
+        return GPTConfig(seq=self.seq, layers=self.layers, heads=self.heads, dim=self.dim)
+
+    @property
+    def torch_device(self) -> torch.device:
+        cuda = self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return torch.device("cuda" if cuda else "cpu")
+
+
+def make_step(model: GPT, optimizer: torch.optim.Optimizer, device: torch.device):
+    """One training step: bf16 autocast on a GPU (fp32 on the CPU), AdamW, clipped gradients."""
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+            loss = lm_loss(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def build(cfg: GPTConfig, device: torch.device, activation_checkpointing: bool = False):
+    torch.manual_seed(0)
+    model = GPT(cfg, activation_checkpointing).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                                  weight_decay=0.1, fused=device.type == "cuda")
+    return model, optimizer
+
+
+def step_row(cfg: TransformerConfig, size: int, recompute: bool) -> dict:
+    """Time, throughput and peak memory of the training step at ``size`` sequences."""
+    device = cfg.torch_device
+    model, optimizer = build(cfg.model, device, recompute)
+    n_params = sum(p.numel() for p in model.parameters())
+    x = torch.randint(0, 256, (size, cfg.seq), device=device)
+    step = make_step(model, optimizer, device)
+    row = {"batch": size, "checkpointing": recompute, "params": n_params}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        t = benchmark(lambda: step(x, x), warmup=3, repeats=cfg.repeats, device=device)
+    except torch.OutOfMemoryError:
+        return row | {"oom": True}
+    tokens_s = size * cfg.seq / (t.median_ms / 1e3)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    return row | {"step_ms": t.median_ms, "tokens_per_s": tokens_s, "peak_gib": peak,
+                  "tflops": tokens_s * flops_per_token(cfg.model, n_params) / 1e12}
+
+
+def step_rows(cfg: TransformerConfig) -> list[dict]:
+    rows = [step_row(cfg, size, recompute) for size in cfg.batches for recompute in (False, True)]
+    if cfg.torch_device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+STEP_COLUMNS = (Column("batch", "batch", width=6), Column("ckpt", "  checkpointing", width=16,
+                                                          left=True),
+                Column("step_ms", "step ms", ".1f", 9), Column("tokens_per_s", "tokens/s", ",.0f",
+                                                               11),
+                Column("tflops", "TFLOP/s", ".0f", 9), Column("peak_gib", "peak GiB", ".2f", 10))
+
+
+def step_table(rows: list[dict]) -> str:
+    return table([r | {"ckpt": "  " + ("yes" if r["checkpointing"] else "no")
+                       + ("  (out of memory)" if r.get("oom") else "")} for r in rows],
+                 STEP_COLUMNS)
+
+
+def corpus(cfg: TransformerConfig) -> Corpus:
+    return stdlib_corpus() if cfg.data == "stdlib" else synthetic_corpus()
+
+
+def lr_at(step: int, total: int, peak: float) -> float:
+    """Linear warm-up over the first 5 % of the steps, then a cosine down to a tenth."""
+    warm = max(1, total // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    done = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+@torch.no_grad()
+def val_loss(model: GPT, text: Corpus, cfg: TransformerConfig, batches: int = 8) -> float:
+    model.eval()
+    g = torch.Generator().manual_seed(1)  # the same windows at every evaluation
+    losses = [lm_loss(model(x), y).item() for x, y in
+              (batch(text.val, cfg.train_batch, cfg.seq, g, cfg.torch_device)
+               for _ in range(batches))]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train(cfg: TransformerConfig) -> dict:
+    """``train_steps`` steps on the corpus: train and validation loss ten times on the way."""
+    text, device = corpus(cfg), cfg.torch_device
+    model, optimizer = build(cfg.model, device)
+    step, g = make_step(model, optimizer, device), torch.Generator().manual_seed(0)
+    points, every, t0 = [], max(1, cfg.train_steps // 10), time.perf_counter()
+    for i in range(cfg.train_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(i, cfg.train_steps, cfg.lr)
+        loss = step(*batch(text.train, cfg.train_batch, cfg.seq, g, device))
+        if (i + 1) % every == 0 or i == 0:
+            points.append({"step": i + 1, "train": loss.item(), "val": val_loss(model, text, cfg),
+                           "seconds": time.perf_counter() - t0})
+    synchronize(device)
+    return {"corpus": text.name, "points": points, "seconds": time.perf_counter() - t0,
+            "tokens": cfg.train_steps * cfg.train_batch * cfg.seq}
+
+
+def loss_figure(run: dict, hardware: str):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    steps = [p["step"] for p in run["points"]]
+    ax.plot(steps, [p["train"] for p in run["points"]], "o-", label="training batch")
+    ax.plot(steps, [p["val"] for p in run["points"]], "s--", label="held-out text")
+    ax.axhline(math.log(256), color="grey", lw=0.8, ls=":", label="ln 256: a uniform guess")
+    ax.set(xlabel="step", ylabel="loss (nats per byte)",
+           title=f"The GPT learns to predict Python source ({hardware})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def n_gpu_rows(cfg: TransformerConfig) -> list[dict]:
+    """The worker's rows: each mode on ``cfg.gpus`` GPUs, the same model and global batch."""
+    from .workers.tp_step import TPStepConfig
+
+    device = "cuda" if torch.cuda.device_count() >= cfg.gpus else "cpu"
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = TPStepConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
+                              batch=max(cfg.batches), repeats=cfg.repeats, device=device,
+                              out=Path(tmp) / "tp.jsonl")
+        return torchrun(WORKER, worker.to_argv(), nproc=cfg.gpus, timeout_s=900,
+                        metrics_file=worker.out, echo=False).metrics
+
+
+N_GPU_COLUMNS = (Column("mode", "mode", width=20, left=True), Column("mesh", "mesh", width=12,
+                                                                     left=True),
+                 Column("step_ms", "step ms", ".1f", 9),
+                 Column("tokens_per_s", "tokens/s", ",.0f", 11),
+                 Column("peak_gib", "peak GiB", ".2f", 10))
+
+
+def n_gpu_table(rows: list[dict]) -> str:
+    return table(rows, N_GPU_COLUMNS)
+
+
+def link_bus_gbps() -> tuple[float, str]:
+    """The all-reduce bus bandwidth chapter 4's record measured between two GPUs, and where."""
+    record = records.load("04-data-parallel")
+    rows = [r for r in (record.rows if record else []) if r.get("bus_gbps")]
+    if not rows:
+        raise FileNotFoundError("book/data/04-data-parallel.jsonl has no bus bandwidth; remake "
+                                "it with `make records RECORDS=04`")
+    stamp = record.header["stamp"]
+    return rows[0]["bus_gbps"], (f"{record.hardware} ({stamp['interconnect']}), chapter 4's "
+                                 f"record of {stamp['date_utc'].split()[0]}")
+
+
+def where_tp_pays(dims, tps, flops_per_s: float, bus_gbps: float) -> list[dict]:
+    """Per width and TP degree: all-reduce time over compute time, and the speed-up over one
+    GPU that TP would reach if its compute split perfectly and nothing overlapped."""
+    from ..parallel.tensor import tp_comm_over_compute
+
+    rows = []
+    for dim in dims:
+        row = {"dim": dim}
+        for n in tps:
+            r = tp_comm_over_compute(dim, n, flops_per_s, bus_gbps)
+            row |= {f"ratio_{n}": r, f"speedup_{n}": n / (1 + r)}
+        rows.append(row)
+    return rows
+
+
+def pays_table(rows: list[dict], tps) -> str:
+    cols = [Column("dim", "width", width=7)]
+    for n in tps:
+        cols += [Column(f"ratio_{n}", f"comm/comp N={n}", ".2f", 16),
+                 Column(f"speedup_{n}", "speed-up", ".2f", 10, unit="x")]
+    return table(rows, cols)
+
+
+def n_gpu_measured(cfg: TransformerConfig) -> tuple[list[dict], str]:
+    """The N-GPU rows: the record where there is one, measured here on N GPUs, else none."""
+    record = records.load(RECORD)
+    if record is not None:
+        return record.rows, record.describe()
+    if torch.cuda.device_count() >= cfg.gpus:
+        return n_gpu_rows(cfg), f"No record {RECORD} yet: measured here, on {cfg.gpus} GPUs."
+    return [], (f"Pending: no record {RECORD} yet, and this machine has "
+                f"{torch.cuda.device_count()} GPU(s). A machine with {cfg.gpus} makes it with "
+                f"`{records.command(__spec__.name, dataclasses.replace(cfg, record=True))}`.")
+
+
+def summary(steps: list[dict], run: dict) -> dict:
+    """Chapter 7's glue: the largest batch's rows with and without checkpointing, the run."""
+    size = max(r["batch"] for r in steps)
+    plain, ckpt = (next(r for r in steps if r["batch"] == size and r["checkpointing"] == c)
+                   for c in (False, True))
+    out = {"batch": size, "params_m": plain["params"] / 1e6, "step_ms": plain.get("step_ms"),
+           "tflops": plain.get("tflops"), "tokens_per_s": plain.get("tokens_per_s")}
+    if plain.get("step_ms") and ckpt.get("step_ms"):
+        out["ckpt_slowdown"] = ckpt["step_ms"] / plain["step_ms"]
+    else:
+        out["ckpt_slowdown"] = float("nan")  # a row ran out of memory
+    nan = float("nan")  # no peak on the CPU
+    out |= {"peak_plain": plain.get("peak_gib") or nan, "peak_ckpt": ckpt.get("peak_gib") or nan}
+    first, last = run["points"][0], run["points"][-1]
+    return out | {"loss_first": first["train"], "val_last": last["val"],
+                  "train_s": run["seconds"], "train_tokens_m": run["tokens"] / 1e6}
+
+
+def _enough_gpus(cfg: TransformerConfig) -> None:
+    if cfg.record:  # a record of N GPUs is measured on N GPUs, never on CPU processes
+        check_gpus(cfg.gpus, "--gpus", "--gpus 0 for the one-device part", fewest=2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_or_exit(TransformerConfig, argv, __spec__.name, machine=_enough_gpus)
+    if cfg.gpus:
+        rows = n_gpu_rows(cfg)
+        print(n_gpu_table(rows))
+        if cfg.record:
+            print(f"wrote {records.write(RECORD, cfg, rows, __spec__.name, [WORKER])}")
+        return
+    print(step_table(step_rows(cfg)))
+    if cfg.train_steps:
+        run = train(cfg)
+        print(f"{run['corpus']}: loss {run['points'][0]['train']:.2f} -> "
+              f"{run['points'][-1]['val']:.2f} (held out) in {run['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
