@@ -176,3 +176,14 @@ def test_every_split_equals_one_process_on_two_gpus(tmp_path):
              nproc=2, timeout_s=300, echo=False)
     rows = read_jsonl(out)
     assert len(rows) == 3 and all(r["grad_diff"] < 1e-4 for r in rows), rows
+
+
+def test_each_pair_runs_one_all_reduce_each_way(tmp_path):
+    out = tmp_path / "counts.jsonl"
+    torchrun(str(Path(__file__).parent / "workers" / "tp_count.py"), [str(out)], nproc=2,
+             timeout_s=180, echo=False)
+    hand, dtensor = read_jsonl(out)
+    layers = hand["layers"]
+    assert (hand["forward"], hand["backward"]) == (2 * layers, 2 * layers)  # g, then f
+    # the output layer, split by vocabulary, adds one in backward (its input's gradient)
+    assert (dtensor["forward"], dtensor["backward"]) == (2 * layers, 2 * layers + 1)

@@ -24,7 +24,7 @@ import torch
 
 from ..config import Config, check, check_gpus, opt, parse_or_exit
 from ..launch import torchrun
-from ..models.gpt import GPT, GPTConfig, flops_per_token, lm_loss
+from ..models.gpt import GPT, GPTConfig, flops_per_token, lm_loss, shape_rules
 from ..text import Corpus, batch, stdlib_corpus, synthetic_corpus
 from ..timing import benchmark, synchronize
 from . import records
@@ -53,10 +53,7 @@ class TransformerConfig(Config):
     record: bool = opt(False, f"with --gpus: write the result as the record {RECORD}")
 
     def __post_init__(self) -> None:
-        check((min(self.dim, self.heads, self.layers, self.seq) >= 1,
-               "--dim, --heads, --layers and --seq must be >= 1"),
-              (self.dim % self.heads == 0,
-               f"dim={self.dim} must be a multiple of heads={self.heads}"),
+        check(*shape_rules(self.dim, self.heads, self.layers, self.seq),
               (all(b >= 1 for b in self.batches) and self.batches, "--batches: give sizes >= 1"),
               (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"),
               (self.train_steps >= 0 and self.train_batch >= 1,
@@ -161,9 +158,10 @@ def val_loss(model: GPT, text: Corpus, cfg: TransformerConfig, batches: int = 8)
     return sum(losses) / len(losses)
 
 
-def train(cfg: TransformerConfig) -> dict:
-    """``train_steps`` steps on the corpus: train and validation loss ten times on the way."""
-    text, device = corpus(cfg), cfg.torch_device
+def train(cfg: TransformerConfig, text: Corpus | None = None) -> dict:
+    """``train_steps`` steps on ``text`` (default: ``cfg.data``'s corpus): the training and
+    validation loss at the first step and ten times on the way."""
+    text, device = text or corpus(cfg), cfg.torch_device
     model, optimizer = build(cfg.model, device)
     step, g = make_step(model, optimizer, device), torch.Generator().manual_seed(0)
     points, every, t0 = [], max(1, cfg.train_steps // 10), time.perf_counter()
@@ -260,9 +258,29 @@ def n_gpu_measured(cfg: TransformerConfig) -> tuple[list[dict], str]:
         return record.rows, record.describe()
     if torch.cuda.device_count() >= cfg.gpus:
         return n_gpu_rows(cfg), f"No record {RECORD} yet: measured here, on {cfg.gpus} GPUs."
+    command = records.command(__spec__.name, dataclasses.replace(cfg, record=True))
     return [], (f"Pending: no record {RECORD} yet, and this machine has "
-                f"{torch.cuda.device_count()} GPU(s). A machine with {cfg.gpus} makes it with "
-                f"`{records.command(__spec__.name, dataclasses.replace(cfg, record=True))}`.")
+                f"{torch.cuda.device_count()} GPU(s).\nA machine with {cfg.gpus} makes it with "
+                f"`{command}`.")
+
+
+def check_lines(checks: dict[int, dict[str, dict]], mode: str) -> list[str]:
+    """Chapter 7's report of ``mode`` on each count of processes: how far from one process."""
+    return [f"{mode} on {n} ranks: loss differs by {r['loss_diff']:.1e}, gradients by at most "
+            f"{r['grad_diff']:.1e};\n  a rank holds {r['params_per_rank']:,} of "
+            f"{r['params_total']:,} parameter values"
+            for n, rows in checks.items() if (r := rows.get(mode))]
+
+
+def layout_lines(row: dict) -> list[str]:
+    """A few parameters of one check's rank 0: whole shape, its slice, and placements."""
+    out = []
+    for name, p in row["layout"].items():
+        where = (" ".join(p["placements"]) if p["placements"] else
+                 "plain tensor" + (", whole" if p["local"] == p["shape"] else ", a slice"))
+        out.append(f"  {name:<24} whole {str(tuple(p['shape'])):<10} this rank "
+                   f"{str(tuple(p['local'])):<10} {where}")
+    return out
 
 
 def summary(steps: list[dict], run: dict) -> dict:

@@ -29,8 +29,15 @@ class GPTConfig:
     dim: int = 384
 
     def __post_init__(self) -> None:
-        if self.dim % self.heads:
-            raise ValueError(f"dim={self.dim} must be a multiple of heads={self.heads}")
+        for holds, message in shape_rules(self.dim, self.heads, self.layers, self.seq):
+            if not holds:
+                raise ValueError(message)
+
+
+def shape_rules(dim: int, heads: int, layers: int, seq: int) -> tuple[tuple[bool, str], ...]:
+    """What a GPT's shape must meet, as (holds, message) pairs (``config.check`` takes them)."""
+    return ((min(dim, heads, layers, seq) >= 1, "--dim, --heads, --layers and --seq must be >= 1"),
+            (dim % max(heads, 1) == 0, f"dim={dim} must be a multiple of heads={heads}"))
 
 
 class Attention(nn.Module):

@@ -87,16 +87,21 @@ def _slice(t: torch.Tensor, dim: int, group) -> nn.Parameter:
 
 
 class ColumnParallelLinear(nn.Module):
-    """``y_r = x W_r^T + b_r``: this rank's rows of the weight (its output features)."""
+    """``y_r = x W_r^T + b_r``: this rank's rows of the weight (its output features).
 
-    def __init__(self, full: nn.Linear, group=None) -> None:
+    ``copy_input=False`` leaves out *f*, for layers that share an input that has been through
+    it already: one *f* for attention's ``q``, ``k`` and ``v`` sums their gradients once.
+    """
+
+    def __init__(self, full: nn.Linear, group=None, copy_input: bool = True) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.copy_input = group, copy_input
         self.weight = _slice(full.weight, 0, group)
         self.bias = None if full.bias is None else _slice(full.bias, 0, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_ranks(x, self.group), self.weight, self.bias)
+        x = copy_to_ranks(x, self.group) if self.copy_input else x
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -122,7 +127,10 @@ def split_by_hand(model: GPT, group=None) -> GPT:
     """
     for block in model.blocks:
         attn, mlp = block.attn, block.mlp
-        attn.q, attn.k, attn.v = (ColumnParallelLinear(m, group) for m in (attn.q, attn.k, attn.v))
+        attn.q, attn.k, attn.v = (ColumnParallelLinear(m, group, copy_input=False)
+                                  for m in (attn.q, attn.k, attn.v))
+        # one f on the input the three projections share: one all-reduce of its gradient
+        attn.register_forward_pre_hook(lambda _, args: (copy_to_ranks(args[0], group),))
         attn.o = RowParallelLinear(attn.o, group)
         mlp.fc, mlp.proj = ColumnParallelLinear(mlp.fc, group), RowParallelLinear(mlp.proj, group)
     return model
@@ -135,8 +143,12 @@ def block_plan(sequence_parallel: bool = False) -> dict:
     (``Shard(1)``) between the pairs: each all-reduce becomes an all-gather before a pair and a
     reduce-scatter after it, the same bytes, and the activations outside the pairs shrink N-fold.
     """
+    # The attention's input as one DTensor for q, k and v (use_local_output is False): its
+    # gradient is then summed (or reduce-scattered) once, not once per projection.
     if not sequence_parallel:
-        return {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
+        shared = PrepareModuleInput(input_layouts=(Replicate(),),
+                                    desired_input_layouts=(Replicate(),))
+        return {"attn": shared, "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(),
                 "attn.v": ColwiseParallel(), "attn.o": RowwiseParallel(),
                 "mlp.fc": ColwiseParallel(), "mlp.proj": RowwiseParallel()}
     gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))

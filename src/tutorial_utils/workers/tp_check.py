@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -25,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ..config import Config, check, opt, parse_or_exit
 from ..jsonl import write_jsonl
-from ..models.gpt import GPT, GPTConfig, lm_loss
+from ..models.gpt import GPT, GPTConfig, lm_loss, shape_rules
 from ..parallel.distributed import DistContext, distributed
 from ..parallel.tensor import (
     ColumnParallelLinear,
@@ -54,8 +55,8 @@ class TPCheckConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
 
     def __post_init__(self) -> None:
-        check((self.dim % self.heads == 0, f"--dim {self.dim} must be a multiple of --heads "
-               f"{self.heads}"), (self.batch % 2 == 0, f"--batch must be even, got {self.batch}"))
+        check(*shape_rules(self.dim, self.heads, self.layers, self.seq),
+              (self.batch % 2 == 0, f"--batch must be even, got {self.batch}"))
 
     def modes_for(self, world: int) -> tuple[Mode, ...]:
         return self.modes or tuple(m for m in MODES if m != "2-D" or _two_d_fits(world))
@@ -149,8 +150,6 @@ def compare(cfg: TPCheckConfig, ctx: DistContext) -> list[dict]:
 
 
 def _enough(cfg: TPCheckConfig) -> None:
-    import os
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     check((world >= 2, "run it under torchrun with 2 or more processes"),
           ("2-D" not in cfg.modes or _two_d_fits(world),

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from ...config import Config, check, opt, parse_or_exit
 from ...jsonl import write_jsonl
-from ...models.gpt import GPT, GPTConfig, lm_loss
+from ...models.gpt import GPT, GPTConfig, lm_loss, shape_rules
 from ...parallel.distributed import DistContext, distributed
 from ...parallel.tensor import tensor_parallel, two_dimensional
 from ...timing import benchmark
@@ -49,10 +49,7 @@ class TPStepConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
 
     def __post_init__(self) -> None:
-        check((min(self.dim, self.heads, self.layers, self.seq) >= 1,
-               "--dim, --heads, --layers and --seq must be >= 1"),
-              (self.dim % self.heads == 0,
-               f"dim={self.dim} must be a multiple of heads={self.heads}"),
+        check(*shape_rules(self.dim, self.heads, self.layers, self.seq),
               (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
 
 
