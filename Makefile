@@ -91,7 +91,8 @@ execute: $(SETUP)
 
 # The measurements a one-GPU machine cannot make, or not within a chapter's time: one command
 # per chapter writes its record under book/data (`make records RECORDS="05b 06"` for some).
-# Chapters 3, 3b, 4, 5, 5b, 6 and 7 need GPUS GPUs; 5d and 5e train on one GPU for longer.
+# Chapters 3, 3b, 4, 5, 5b, 6 and 7 need GPUS GPUs; 5d and 5e train on one GPU for longer, and
+# can be made in parts that add up to one record (`make records RECORDS=05e ONLY=0-2`, then 3-5).
 GPUS    ?= 2
 RECORDS ?= 03 03b 04 05 05b 06 07 05d 05e
 REC_03  = tutorial_utils.bench.model_parallel --devices $(GPUS) --schedules
@@ -101,8 +102,8 @@ REC_05  = tutorial_utils.bench.experiment --plan 05 --gpus $(GPUS) --data $(DATA
 REC_05b = tutorial_utils.bench.scaling --gpus $(GPUS)
 REC_06  = tutorial_utils.bench.sharding --nproc $(GPUS)
 REC_07  = tutorial_utils.bench.transformer --gpus $(GPUS)
-REC_05d = tutorial_utils.bench.experiment --plan 05d --data $(DATA)
-REC_05e = tutorial_utils.bench.experiment --plan 05e --data $(DATA)
+REC_05d = tutorial_utils.bench.experiment --plan 05d --data $(DATA) $(if $(ONLY),--only $(ONLY))
+REC_05e = tutorial_utils.bench.experiment --plan 05e --data $(DATA) $(if $(ONLY),--only $(ONLY))
 DATA    ?= $(or $(TUTORIAL_CIFAR10),auto)
 records: $(SETUP)
 	@$(NEED_GPU)

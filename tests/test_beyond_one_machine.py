@@ -12,7 +12,7 @@ from tutorial_utils.multinode import launcher_command, simulate_nodes
 from tutorial_utils.trainer import CRASH_ENV
 
 TINY = ["--depth", "10", "--width", "1", "--batch", "64", "--data", "synthetic",
-        "--device", "cpu", "--no-bf16"]
+        "--device", "cpu", "--precision", "fp32"]
 
 
 def test_launcher_command_is_the_same_on_every_node():

@@ -128,8 +128,8 @@ def test_ch5e_a_longer_warm_up_at_the_largest_batch(tmp_path):
     from tutorial_utils.bench.experiment import train
     from tutorial_utils.trainer import lr_factor
 
-    base = TrainConfig(depth=10, width=1, epochs=6, data="synthetic", device="cpu", bf16=False,
-                       checkpoint_every=0, out=tmp_path / "r")
+    base = TrainConfig(depth=10, width=1, epochs=6, data="synthetic", device="cpu",
+                       precision="fp32", checkpoint_every=0, out=tmp_path / "r")
     cfg = ch05e.longer_warm_up(base)
     steps = 50_000 // 1024
     # the rate climbs for five epochs instead of one, to the same linear-rule peak

@@ -22,7 +22,7 @@ from tutorial_utils.train import TrainConfig  # noqa: E402
 
 def tiny(out, **kw):
     return TrainConfig(**{**dict(depth=10, width=1, batch=64, data="synthetic", device="cpu",
-                                 bf16=False, epochs=2, checkpoint_every=0, out=out), **kw})
+                                 precision="fp32", epochs=2, checkpoint_every=0, out=out), **kw})
 
 
 def test_training_runs_are_launched_read_back_and_compared(tmp_path):

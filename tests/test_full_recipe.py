@@ -8,14 +8,14 @@ from itertools import pairwise
 from pathlib import Path
 
 from tutorial_utils.bench.experiment import load_run
-from tutorial_utils.config import parse, to_dict
+from tutorial_utils.config import parse, saved_train_config, to_dict
 from tutorial_utils.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ROOT / "book/data/wrn-28-10-200ep/metrics.jsonl"
 CHAPTER = ROOT / "notebooks/05_wrn_experiment.ipynb"
 RECIPE = ("depth", "width", "dropout", "epochs", "batch", "scaling", "lr", "schedule",
-          "warmup_epochs", "weight_decay", "label_smoothing", "crop_pad", "tta", "bf16",
+          "warmup_epochs", "weight_decay", "label_smoothing", "crop_pad", "tta", "precision",
           "compile", "step_graph", "loader", "checkpoint_every", "seed")
 
 
@@ -32,7 +32,8 @@ def printed_command() -> TrainConfig:
 def test_the_stored_run_is_the_printed_command():
     run, printed = load_run(METRICS), to_dict(printed_command())
     for start in [run.start, *run.resumes]:  # every job ran the same recipe
-        assert {k: start["config"][k] for k in RECIPE} == {k: printed[k] for k in RECIPE}
+        saved = saved_train_config(start["config"])  # recorded when the option was --bf16
+        assert {k: saved[k] for k in RECIPE} == {k: printed[k] for k in RECIPE}
     assert run.start["data"].startswith("CIFAR-10") and not run.start["synthetic_data"]
     assert run.start["stamp"]["gpu_count"] >= 1  # made on a GPU, not a CPU smoke run
 

@@ -59,6 +59,42 @@ def test_without_a_record_the_measurement_runs_here_and_says_so(tmp_path, monkey
     assert rows == [{"y": 2}] and source.made.startswith("a record made on")
 
 
+def test_a_sweep_made_in_parts_is_one_record_in_the_plans_order(tmp_path):
+    order = ["a", "b", "c"]
+    part = [{"run": "c", "x": 3}]
+    path, kept = records.write_part("sweep", TinyConfig(), part, order, "x", root=tmp_path)
+    assert kept == 0 and records.load("sweep", root=tmp_path).rows == part
+    rest = [{"run": "a", "x": 1}, {"run": "b", "x": 2}, {"run": "b", "x": 2.5}]
+    _, kept = records.write_part("sweep", TinyConfig(), rest, order, "x", root=tmp_path)
+    assert kept == 1
+    assert [r["x"] for r in records.load("sweep", root=tmp_path).rows] == [1, 2, 2.5, 3]
+    # made again with another configuration: the earlier runs do not belong to it
+    _, kept = records.write_part("sweep", TinyConfig(size=2), part, order, "x", root=tmp_path)
+    assert kept == 0 and records.load("sweep", root=tmp_path).rows == part
+
+
+def test_a_part_measured_with_other_code_replaces_the_record(tmp_path):
+    records.write_part("sweep", TinyConfig(), [{"run": "a"}], ["a", "b"], "x", root=tmp_path)
+    path = tmp_path / "sweep.jsonl"
+    head, *rows = [json.loads(line) for line in path.read_text().splitlines()]
+    head["modules"] = {m: "0" * 64 for m in head["modules"]}  # as if the code had changed
+    path.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
+    _, kept = records.write_part("sweep", TinyConfig(), [{"run": "b"}], ["a", "b"], "x",
+                                 root=tmp_path)
+    assert kept == 0 and records.load("sweep", root=tmp_path).rows == [{"run": "b"}]
+
+
+@pytest.mark.parametrize(("only", "error"), [("x", "run positions such as"), ("0-9", "0 to 5"),
+                                             ("-1", "run positions such as")])
+def test_a_bad_part_of_a_sweep_is_one_line(only, error):
+    from tutorial_utils.bench.experiment import positions
+    from tutorial_utils.config import ConfigError
+
+    assert positions("0,2-3", 6) == [0, 2, 3]
+    with pytest.raises(ConfigError, match=error):
+        positions(only, 6)
+
+
 @pytest.mark.parametrize("name", sorted(p.stem for p in BOOK_DATA.glob("*.jsonl")))
 def test_the_books_records_are_dated_and_hold_no_machine_paths(name):
     record = records.load(name)

@@ -23,14 +23,14 @@ HOSTS = ["gpu-a07", "gpu-a08"]
 # The options of `python -m tutorial_utils.train` the template may use (and their choices).
 TRAIN_OPTIONS = {
     "--depth", "--width", "--dropout", "--epochs", "--batch", "--scaling", "--lr", "--schedule",
-    "--warmup-epochs", "--weight-decay", "--label-smoothing", "--crop-pad", "--tta", "--bf16",
-    "--no-bf16", "--compile", "--step-graph", "--loader", "--data", "--limit-per-class",
+    "--warmup-epochs", "--weight-decay", "--label-smoothing", "--crop-pad", "--tta", "--precision",
+    "--compile", "--step-graph", "--loader", "--data", "--limit-per-class",
     "--device", "--out", "--checkpoint-every", "--resume", "--seed", "--deterministic",
 }
 TRAIN_CHOICES = {
     "--scaling": {"strong", "weak"}, "--schedule": {"warmup-linear", "step"},
     "--compile": {"none", "default", "reduce-overhead"}, "--loader": {"device", "dataloader"},
-    "--device": {"auto", "cpu", "cuda"},
+    "--device": {"auto", "cpu", "cuda"}, "--precision": {"bf16", "fp16", "fp32"},
 }
 
 STUB = """#!{bash}

@@ -1,5 +1,6 @@
 """The training entry point: learning, exact resume, atomic checkpoints, and clear errors."""
 
+import dataclasses
 import re
 
 import pytest
@@ -26,7 +27,7 @@ def small_data(monkeypatch):
 
 def tiny(tmp_path, **kw):
     base = dict(depth=10, width=1, epochs=2, batch=64, data="synthetic", out=tmp_path / "run",
-                bf16=False, device="cpu")
+                precision="fp32", device="cpu")
     return TrainConfig(**{**base, **kw})
 
 
@@ -47,7 +48,7 @@ def test_training_reduces_the_loss_and_records_time_to_accuracy(tmp_path):
 
 
 def test_config_round_trips_through_its_command_line(tmp_path):
-    cfg = tiny(tmp_path, epochs=3, tta=True, bf16=False, schedule="step", limit_per_class=7)
+    cfg = tiny(tmp_path, epochs=3, tta=True, precision="fp32", schedule="step", limit_per_class=7)
     assert parse(TrainConfig, cfg.to_argv(), "train", "") == cfg
     assert TrainConfig().to_argv() == []
 
@@ -135,7 +136,7 @@ def test_step_graph_without_a_gpu_trains_exactly_as_without(tmp_path):
 @pytest.mark.gpu
 def test_step_graph_on_a_gpu_trains_like_the_eager_step(tmp_path):
     gpu = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
-    runs = [run(tiny(tmp_path / name, epochs=2, device="cuda", bf16=True, deterministic=True,
+    runs = [run(tiny(tmp_path / name, epochs=2, device="cuda", precision="bf16", deterministic=True,
                      **kw), gpu) for name, kw in (("a", {}), ("b", {"step_graph": True}))]
     eager, graphed = ([r["train_loss"] for r in records] for records in runs)
     assert graphed == pytest.approx(eager, rel=1e-3)
@@ -243,6 +244,12 @@ def error_of(capsys, *argv):
         (["--weight-decay=-1e-4"], "--weight-decay must be a number >= 0"),
         (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
         (["--limit-per-class", "0"], "--limit-per-class must be >= 1"),
+        (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
+        (["--grad-accum", "3", "--batch", "64", "--device", "cpu"],
+         "--grad-accum 3 does not divide the batch of 64 per process"),
+        (["--grad-accum", "2", "--step-graph"], "use it with --grad-accum 1"),
+        (["--clip-norm", "0"], "--clip-norm must be a number > 0, got 0.0"),
+        (["--clip-norm", "nan"], "--clip-norm must be a number > 0, got nan"),
         (["--device", "cpu", "--depth", "10", "--width", "1", "--batch", "1024"],
          "--batch 1024 needs 1024 images per process and step, but each of the 1 processes "
          "has 512"),
@@ -310,12 +317,25 @@ def test_limit_per_class_applies_to_synthetic_data_too(monkeypatch):
     ({"weight_decay": 1e-3}, "weight_decay=0.0005 (this run: 0.001)"),
     ({"label_smoothing": 0.1}, "label_smoothing=0.0 (this run: 0.1)"),
     ({"crop_pad": 2}, "crop_pad=4 (this run: 2)"),
-    ({"bf16": True}, "bf16=False (this run: True)"),
+    ({"precision": "bf16"}, "precision=fp32 (this run: bf16)"),
 ])
 def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path, change, named):
     run(tiny(tmp_path, epochs=1), CPU)
     with pytest.raises(CheckpointError, match=re.escape(named)):
         run(tiny(tmp_path, epochs=1, resume=True, **change), CPU)
+
+
+def test_a_checkpoint_older_than_the_newer_options_resumes(tmp_path):
+    cfg = tiny(tmp_path, epochs=1)
+    run(cfg, CPU)
+    state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
+    old = {k: v for k, v in state["config"].items()
+           if k not in ("grad_accum", "clip_norm", "sync_bn", "precision")}
+    save_checkpoint(cfg.out / "checkpoint.pt", state | {"config": old | {"bf16": False}})
+    run(tiny(tmp_path, epochs=1, resume=True), CPU)  # fp32, one micro-batch: what it trained
+    save_checkpoint(cfg.out / "checkpoint.pt", state | {"config": old | {"bf16": True}})
+    with pytest.raises(CheckpointError, match=re.escape("precision=bf16 (this run: fp32)")):
+        run(tiny(tmp_path, epochs=1, resume=True), CPU)
 
 
 def test_a_resume_on_other_data_is_refused(tmp_path, monkeypatch):
@@ -379,9 +399,86 @@ def test_training_stops_at_a_non_finite_loss_and_keeps_the_last_good_checkpoint(
 
 def test_a_diverging_run_ends_in_one_line(capsys, tmp_path):
     assert main(["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--lr",
-                 "1e30", "--data", "synthetic", "--device", "cpu", "--no-bf16", "--out",
+                 "1e30", "--data", "synthetic", "--device", "cpu", "--precision", "fp32", "--out",
                  str(tmp_path / "run")]) == 2
     *_, err = capsys.readouterr().err.strip().splitlines()  # after the synthetic-data warning
     assert err.startswith("python -m tutorial_utils.train: error: the loss was not finite")
     assert err.endswith("resume from the last checkpoint or start afresh")
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_gradient_accumulation_gives_the_gradients_of_the_whole_batch():
+    from tutorial_utils.trainer import accumulate, forward_loss
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                              torch.nn.Linear(8 * 6 * 6, 10))
+    x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    forward_loss(net, x, y, "fp32")[1].backward()
+    whole = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    _, loss = accumulate(net, x, y, 4, "fp32")
+    for g, p in zip(whole, net.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, g)
+    assert loss == pytest.approx(forward_loss(net, x, y, "fp32")[1].item(), rel=1e-5)
+
+
+def test_with_batchnorm_accumulation_is_close_to_one_batch_not_equal(tmp_path):
+    run(tiny(tmp_path / "one", epochs=1), CPU)
+    run(tiny(tmp_path / "four", epochs=1, grad_accum=4), CPU)
+    a, b = weights(tiny(tmp_path / "one")), weights(tiny(tmp_path / "four"))
+    diffs = [float((a[k].float() - b[k].float()).abs().max()) for k in a if "weight" in k]
+    assert 0 < max(diffs) < 0.1  # each micro-batch is normalised by its own statistics
+
+
+def test_clipping_bounds_every_update(tmp_path):
+    start = tiny(tmp_path / "start", epochs=1, lr=1.0, weight_decay=0.0, warmup_epochs=0)
+    from tutorial_utils.trainer import Trainer
+
+    def update(clip):
+        trainer = Trainer(dataclasses.replace(start, clip_norm=clip), CPU,
+                          synthetic_cifar10(512, 128))
+        before = [p.detach().clone() for p in trainer.net.parameters()]
+        trainer.train_one_epoch(0)
+        after = [p.detach() for p in trainer.net.parameters()]
+        return max(float((p - q).abs().max()) for p, q in zip(after, before, strict=True))
+
+    # 8 steps of lr 1 at most (momentum 0.9 adds at most a factor of 10 to each step's norm)
+    assert update(1e-6) < 8 * 10 * 1e-6 < 1e-3 < update(None)
+
+
+def test_accumulation_under_ddp_and_clipping_under_fsdp2(tmp_path):
+    from pathlib import Path
+
+    from tutorial_utils.jsonl import read_jsonl
+    from tutorial_utils.launch import torchrun
+
+    out = tmp_path / "r.jsonl"
+    torchrun(str(Path(__file__).parent / "workers" / "accumulate_and_clip.py"), [str(out)],
+             nproc=2, timeout_s=180, echo=False)
+    (r,) = read_jsonl(out)
+    assert r["accum_diff"] < 1e-6
+    assert r["buckets_k4"] == r["buckets_k1"] >= 1  # no_sync: all-reduced once per step
+    assert r["norm_fsdp"] == pytest.approx(r["norm_reference"], rel=1e-5)
+    assert r["clipped_norm"] == pytest.approx(0.01, rel=1e-4)
+    assert r["sync_bn_error"].startswith("--sync-bn needs a GPU per process")
+
+
+@pytest.mark.multigpu
+def test_sync_batchnorm_trains_on_two_gpus(tmp_path):
+    from tutorial_utils.launch import torchrun
+
+    torchrun("tutorial_utils.train", ["--depth", "10", "--width", "1", "--epochs", "1",
+                                      "--data", "synthetic", "--sync-bn", "--device", "cuda",
+                                      "--out", str(tmp_path)], nproc=2, timeout_s=300,
+             echo=False)
+    assert (tmp_path / "checkpoint.pt").exists()
+
+
+def test_fp16_trains_with_a_gradient_scaler_and_resumes_it(tmp_path):
+    cfg = tiny(tmp_path, epochs=2, precision="fp16")
+    records = run(cfg, CPU)
+    assert records[-1]["train_loss"] < records[0]["train_loss"]
+    state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
+    assert state["scaler"]["scale"] > 1  # the loss was scaled before backward
+    assert state["config"]["precision"] == "fp16"

@@ -18,7 +18,7 @@ import random
 import socket
 import tempfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -173,15 +173,19 @@ def _fsync(path: Path) -> None:
 
 
 def load_checkpoint(
-    path: Path, expect: dict[str, Any], required: Sequence[str] = ()
+    path: Path, expect: dict[str, Any], required: Sequence[str] = (),
+    upgrade: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Load ``path``: it must hold the keys ``required`` and match ``expect`` (depth, width...)."""
+    """Load ``path``: it must hold the keys ``required`` and match ``expect`` (depth, width...);
+    ``upgrade`` reads the configuration an older checkpoint saved in today's terms."""
     state = _read(path)
     missing = [k for k in required if k not in state]
     if missing:  # caught here, not as a KeyError halfway through restoring
         raise CheckpointError(f"{path} lacks {', '.join(missing)}: not a checkpoint of this "
                               f"trainer; {AFRESH}")
     saved = state.get("config", {})
+    if upgrade is not None:
+        saved = upgrade(saved)
     wrong = {k: (saved.get(k), v) for k, v in expect.items() if saved.get(k) != v}
     if wrong:
         diff = ", ".join(f"{k}={old} (this run: {new})" for k, (old, new) in wrong.items())
@@ -204,8 +208,9 @@ def _read(path: Path) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise _damaged(path, f"it holds a {type(state).__name__}, not a dict")
     saved = state.pop("digest", None)
-    if saved is None:
-        raise _damaged(path, "it has no digest of its state")
+    if saved is None:  # torch.save of a dict: an older trainer's file, or someone else's
+        raise CheckpointError(f"{path} has no digest of its state: it was not written by this "
+                              f"trainer's save_checkpoint (an older version?); {AFRESH}")
     if saved != state_digest(state):
         raise _damaged(path, "its content does not match the digest written with it")
     return state

@@ -202,7 +202,15 @@ class TrainConfig(Config):
                         "pixels, plus random mirroring (0: mirroring only)")
     tta: bool = opt(False, "test-time augmentation: sum the outputs for each test image and "
                     "its mirror image")
-    bf16: bool = opt(True, "bf16 autocast")
+    precision: Literal["bf16", "fp16", "fp32"] = opt(
+        "bf16", "bf16 autocast; fp16 autocast with a gradient scaler, for GPUs without bf16; "
+        "or fp32 throughout")
+    grad_accum: int = opt(1, "compute each process's batch as K micro-batches, all-reduced "
+                          "once (DDP's no_sync): less activation memory, the same step")
+    clip_norm: float | None = opt(None, "clip the gradients to this global L2 norm, after "
+                                  "the all-reduce (the same on every rank)")
+    sync_bn: bool = opt(False, "SyncBatchNorm: BatchNorm statistics over every process's "
+                        "batch, not each process's own")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
     step_graph: bool = opt(False, "record forward and backward, all-reduces included, as one "
                            "CUDA graph replayed every step; with --compile default or none")
@@ -238,6 +246,15 @@ class TrainConfig(Config):
              f"--warmup-epochs must be in [0, --epochs], got {self.warmup_epochs}"),
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
+            (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
+            (self.clip_norm is None or (math.isfinite(self.clip_norm) and self.clip_norm > 0),
+             f"--clip-norm must be a number > 0, got {self.clip_norm}"),
+            (not (self.step_graph and self.precision == "fp16"),
+             "--step-graph cannot record fp16's gradient scaler, which reads the gradients on "
+             "the host: use --precision bf16 or fp32 with it"),
+            (not (self.step_graph and self.grad_accum > 1),
+             "--step-graph records one forward and backward per step: use it with "
+             "--grad-accum 1"),
             (not (self.step_graph and self.compile == "reduce-overhead"),
              "--step-graph records the whole step itself: use it with --compile default or "
              "none, not reduce-overhead"),
@@ -249,8 +266,25 @@ class TrainConfig(Config):
             raise ConfigError(f"global --batch {self.batch} is not divisible by {world_size} "
                               f"processes; use a multiple of {world_size}, or --scaling weak")
         per_gpu = self.batch if self.scaling == "weak" else self.batch // world_size
+        if per_gpu % self.grad_accum:
+            raise ConfigError(f"--grad-accum {self.grad_accum} does not divide the batch of "
+                              f"{per_gpu} per process; use a divisor of {per_gpu}")
         return per_gpu, per_gpu * world_size
 
     def peak_lr(self, world_size: int) -> float:
         """The linear scaling rule (Goyal et al.): the rate grows with the global batch."""
         return self.lr * self.batches(world_size)[1] / REFERENCE_BATCH
+
+
+# Options added after runs were recorded: an older checkpoint or record trained with these values.
+ADDED_LATER = {"grad_accum": 1, "clip_norm": None, "sync_bn": False}
+
+
+def saved_train_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved :class:`TrainConfig` dict in today's fields: before ``--precision`` existed, runs
+    said ``bf16: true`` (autocast) or ``false`` (fp32), and none had the options in ADDED_LATER."""
+    new = {**ADDED_LATER, **saved}
+    if "bf16" in new:
+        bf16 = new.pop("bf16")
+        new.setdefault("precision", "bf16" if bf16 else "fp32")
+    return new

@@ -32,6 +32,8 @@ def rewrite_jsonl(path: Path, records: Iterable[Mapping]) -> None:
         os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the records from other readers
         with os.fdopen(fd, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in records)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the file
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)

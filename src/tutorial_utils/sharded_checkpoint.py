@@ -126,6 +126,8 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     # DCP's CheckpointException derives from BaseException: `except Exception` misses it
+    except torch.OutOfMemoryError:  # a RuntimeError, but the checkpoint is not at fault
+        raise
     except (CheckpointException, RuntimeError, KeyError, ValueError) as err:
         why = (str(err).strip().splitlines() or [type(err).__name__])[-1][:160]
         raise CheckpointError(f"{path} does not fit this model and optimizer (written for "

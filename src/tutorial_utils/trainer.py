@@ -8,6 +8,7 @@ checkpoint save and restore, and evaluation.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checkpoint as ckpt
-from .config import ConfigError, TrainConfig, to_dict
+from .config import ConfigError, TrainConfig, saved_train_config, to_dict
 from .data import Cifar10
 from .loaders import DeviceLoader, dataloader, normalize
 from .models import WideResNet
@@ -37,7 +38,7 @@ CRASH_ENV = "TUTORIAL_CRASH_AT_STEP"  # fault injection for chapter 6's demo, no
 # may change them, and each attempt's start record in metrics.jsonl says what it used.
 RESUME_MUST_MATCH = ("depth", "width", "dropout", "batch", "scaling", "seed", "epochs",
                      "schedule", "warmup_epochs", "lr", "weight_decay", "label_smoothing",
-                     "crop_pad", "bf16", "loader")
+                     "crop_pad", "precision", "loader", "grad_accum", "clip_norm", "sync_bn")
 
 
 class Diverged(RuntimeError):
@@ -54,7 +55,10 @@ def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
     return max(0.0, (cfg.epochs - epoch) / max(cfg.epochs - cfg.warmup_epochs, 1e-9))
 
 
-def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool = True,
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
+
+
+def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str = "bf16",
                  label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and cross-entropy loss of one batch, computed the way the whole book trains.
 
@@ -62,20 +66,48 @@ def forward_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool 
     statistics, the loss) in fp32, the weights kept in fp32. Its cache of bf16 weight copies
     is off: each weight is used once per forward, so the cache saves no cast, and a cached copy
     is freed when the region ends while a step recorded as a CUDA graph would still read it.
+    ``precision="fp16"`` autocasts to float16 instead (its gradients need a ``GradScaler``: fp16
+    is more precise than bf16 but has far less range); ``"fp32"`` does not autocast.
     """
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False):
+    dtype = AUTOCAST[precision]
+    with torch.autocast(x.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None,
+                        cache_enabled=False):
         out = model(x)
         return out, F.cross_entropy(out, y, label_smoothing=label_smoothing)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
-               y: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+               y: torch.Tensor, precision: str = "bf16") -> torch.Tensor:
     """One SGD step on ``(x, y)``: forward and loss, backward, update, gradients freed."""
-    _, loss = forward_loss(model, x, y, bf16)
+    _, loss = forward_loss(model, x, y, precision)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def accumulate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
+               precision: str = "bf16", label_smoothing: float = 0.0,
+               scale=lambda loss: loss) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward and backward of ``(x, y)`` as ``k`` micro-batches; outputs and mean loss.
+
+    Each micro-batch's loss is divided by ``k``, so the summed gradients are those of the mean
+    over the whole batch. Under DDP the first ``k - 1`` backward passes run inside
+    ``no_sync()``: the gradients add up locally and are all-reduced once, in the last one.
+    BatchNorm then normalises each micro-batch by its own statistics, so with BatchNorm the
+    step is close to, not equal to, one batch of the same size. ``scale``: fp16's loss scaling.
+    """
+    outs, losses = [], []
+    for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
+        last = i == k - 1
+        sync = contextlib.nullcontext() if last or not hasattr(model, "no_sync") else \
+            model.no_sync()
+        with sync:
+            out, loss = forward_loss(model, xi, yi, precision, label_smoothing)
+            scale(loss / k).backward()
+        outs.append(out.detach())
+        losses.append(loss.detach())
+    return torch.cat(outs), torch.stack(losses).mean()
 
 
 def predict(model: torch.nn.Module, x: torch.Tensor, tta: bool = False) -> torch.Tensor:
@@ -101,6 +133,11 @@ class Trainer:
         self.per_gpu, self.global_batch = cfg.batches(ctx.world_size)
         torch.manual_seed(cfg.seed)  # the same initial weights in every process
         self.net = WideResNet(cfg.depth, cfg.width, dropout=cfg.dropout)
+        if cfg.sync_bn and ctx.is_distributed:  # statistics all-reduced in every forward
+            if ctx.device.type != "cuda":
+                raise ConfigError("--sync-bn needs a GPU per process: PyTorch's SyncBatchNorm "
+                                  "does not run on CPU processes; leave it out there")
+            self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
         self.net.to(ctx.device, memory_format=torch.channels_last)
         # With --step-graph, warm_up() records forward and backward into one CUDA graph;
         # DDP must be built on the stream that records it.
@@ -120,6 +157,9 @@ class Trainer:
         self.optimizer = torch.optim.SGD(
             self.net.parameters(), lr=cfg.peak_lr(ctx.world_size), momentum=0.9,
             nesterov=True, weight_decay=cfg.weight_decay, fused=ctx.device.type == "cuda" or None)
+        # fp16: the loss is scaled up before backward so that small gradients do not flush to
+        # zero, and the gradients unscaled before the step; disabled, it passes everything on.
+        self.scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(cfg, s, self.steps_per_epoch))
         self.test_loader = DeviceLoader(self.data.test_x, self.data.test_y, 500,
@@ -154,7 +194,8 @@ class Trainer:
         if self.ctx.is_main:
             ckpt.save_checkpoint(self.checkpoint_path, {
                 "model": self.net.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "rng": rngs, "epoch": epoch,
+                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
+                "rng": rngs, "epoch": epoch,
                 "config": to_dict(self.cfg), "world_size": self.ctx.world_size,
                 "dataset": self.dataset})
 
@@ -162,7 +203,8 @@ class Trainer:
         path = self.checkpoint_path
         state = ckpt.load_checkpoint(
             path, {k: getattr(self.cfg, k) for k in RESUME_MUST_MATCH},
-            required=("model", "optimizer", "scheduler", "rng", "epoch", "world_size", "dataset"))
+            required=("model", "optimizer", "scheduler", "rng", "epoch", "world_size", "dataset"),
+            upgrade=saved_train_config)
         ckpt.check_world_size(state, self.ctx.world_size, path)
         if state["dataset"] != self.dataset:
             saved, now = state["dataset"], self.dataset
@@ -173,6 +215,7 @@ class Trainer:
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state.get("scaler", {}))
         ckpt.set_rng_state(ckpt.rng_state_for_rank(state["rng"], self.ctx.rank), self.ctx.device)
         self.start_epoch = state["epoch"] + 1
 
@@ -192,7 +235,11 @@ class Trainer:
                 self._simulated_crash(i)
             x, y = self._on_device(x, y)
             out, loss = self.forward_backward(x, y)
-            self.optimizer.step()
+            if self.cfg.clip_norm is not None:  # DDP's gradients are already the average
+                self.scaler.unscale_(self.optimizer)  # fp16: clip the true gradients
+                nn.utils.clip_grad_norm_(self.net.parameters(), self.cfg.clip_norm)
+            self.scaler.step(self.optimizer)  # fp16: skipped if a gradient overflowed
+            self.scaler.update()
             self.scheduler.step()
             # Accumulate on the device: a .item() per step would stall the GPU queue.
             loss_sum += loss.detach() * len(y)
@@ -229,9 +276,8 @@ class Trainer:
 
     def _forward_backward(self, x: torch.Tensor,
                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, loss = forward_loss(self.model, x, y, self.cfg.bf16, self.cfg.label_smoothing)
-        loss.backward()
-        return out, loss
+        return accumulate(self.model, x, y, self.cfg.grad_accum, self.cfg.precision,
+                          self.cfg.label_smoothing, self.scaler.scale)
 
     def warm_up(self, steps: int = 3) -> float:
         """Compile the step (and record its CUDA graph) before the clock starts; seconds taken.
@@ -275,7 +321,9 @@ class Trainer:
         correct = torch.zeros((), device=self.ctx.device, dtype=torch.long)
         seen = 0
         for x, y in self.test_loader:
-            with torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.cfg.bf16):
+            dtype = AUTOCAST[self.cfg.precision]
+            with torch.autocast(self.ctx.device.type, dtype=dtype or torch.bfloat16,
+                                enabled=dtype is not None):
                 correct += (predict(self.model, x, self.cfg.tta).argmax(1) == y).sum()
             seen += len(y)
         total_correct, n = all_reduce_sum(self.ctx, correct.item(), seen)

@@ -19,7 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..config import REFERENCE_BATCH, Config, TrainConfig, check, opt, parse_or_exit
+from ..config import (
+    REFERENCE_BATCH,
+    Config,
+    ConfigError,
+    TrainConfig,
+    check,
+    opt,
+    parse_or_exit,
+    saved_train_config,
+)
 from ..jsonl import read_jsonl
 from ..launch import torchrun
 from ..profiles import pick
@@ -63,7 +72,8 @@ class TrainingRun:
     def command(self) -> str:
         """The command line of the run, from the configuration its start record holds."""
         known = {f.name for f in dataclasses.fields(TrainConfig)}
-        cfg = TrainConfig(**{k: v for k, v in self.start["config"].items() if k in known})
+        saved = saved_train_config(self.start["config"])
+        cfg = TrainConfig(**{k: v for k, v in saved.items() if k in known})
         return Job(self.processes, cfg, self.label).command()
 
     @property
@@ -322,21 +332,48 @@ class ExperimentConfig(Config):
     gpus: int = opt(2, "chapter 5's largest GPU count (5d and 5e run on one GPU)")
     data: str = opt("auto", "CIFAR-10, as --data of the training entry point")
     record: bool = opt(False, "write the runs as the chapter's record (book/data)")
+    only: str | None = opt(None, "train only these runs of the plan, by position (0,2 or 1-3); "
+                           "with --record, they are added to the record of the other runs "
+                           "made with the same code, so a long sweep can be made in parts")
 
     def __post_init__(self) -> None:
         check((self.gpus >= 1, f"--gpus must be >= 1, got {self.gpus}"))
+        if self.only is not None:
+            positions(self.only, 1 << 30)  # the syntax; the range is checked against the plan
+
+
+def positions(only: str, n: int) -> list[int]:
+    """The run positions ``only`` names ("0,2", "1-3"), each in range(n), in order."""
+    out: set[int] = set()
+    try:
+        for part in only.split(","):
+            first, _, last = part.strip().partition("-")
+            out.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ConfigError(f"--only takes run positions such as 0,2 or 1-3, got {only!r}") from None
+    if not out or min(out) < 0 or max(out) >= n:
+        raise ConfigError(f"--only {only}: the plan has runs 0 to {n - 1}")
+    return sorted(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(ExperimentConfig, argv, __spec__.name)
     name, make = PLANS[cfg.plan]
     machine = plan(cfg.gpus if cfg.plan == "05" else 1, "full")
-    runs = run_jobs(make(machine, cfg.data))
+    jobs = make(machine, cfg.data)
+    try:
+        chosen = positions(cfg.only, len(jobs)) if cfg.only else list(range(len(jobs)))
+    except ConfigError as err:
+        raise SystemExit(f"{__spec__.name}: {err}") from None
+    runs = run_jobs([jobs[i] for i in chosen])
     print(runs_table(runs, reference=runs[0]))
     if cfg.record:  # the data's file name stands in the record, not where it lay
-        shown = dataclasses.replace(cfg, data=Path(cfg.data).name)
-        path = records.write(name, shown, rows_of(runs), __spec__.name, ["tutorial_utils.train"])
-        print(f"wrote {path}")
+        shown = dataclasses.replace(cfg, data=Path(cfg.data).name, only=None)
+        path, kept = records.write_part(name, shown, rows_of(runs), [j.label for j in jobs],
+                                        __spec__.name, ["tutorial_utils.train"])
+        done = {r["run"] for r in records.load(name).rows}
+        print(f"wrote {path}: {len(done)} of the plan's {len(jobs)} runs"
+              + (f" ({kept} kept from an earlier part)" if kept else ""))
 
 
 if __name__ == "__main__":

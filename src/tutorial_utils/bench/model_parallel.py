@@ -164,7 +164,7 @@ def _timed(model: nn.Module, x, y, devices, repeats: int) -> float:
     """Median ms of a step spanning several devices: CUDA events on one device would miss the
     work of the others (backward ends on the first), so wait for all of them around each."""
     def step() -> None:
-        forward_loss(model, x, y, bf16=x.device.type == "cuda")[1].backward()
+        forward_loss(model, x, y, "bf16" if x.device.type == "cuda" else "fp32")[1].backward()
         model.zero_grad(set_to_none=True)
 
     def sync_all() -> None:

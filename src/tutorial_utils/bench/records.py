@@ -120,6 +120,29 @@ def write(name: str, cfg, rows: Sequence[dict], program: str,
     return path
 
 
+def write_part(name: str, cfg, rows: Sequence[dict], order: Sequence[str], program: str,
+               workers: Sequence[str] = (), root: Path | None = None) -> tuple[Path, int]:
+    """Write some runs of a sweep (rows labelled by ``run``) to the record ``name``, keeping the
+    other runs of the record already there if it was made with the same configuration, the same
+    commit and the same module sources; else the record holds these runs only. The runs stand
+    in ``order``. Returns the path and how many runs were kept."""
+    from ..stamp import environment_stamp
+
+    for worker in workers:
+        importlib.import_module(worker)
+    mine = [m for m in sys.modules if m.split(".")[0] == "tutorial_utils"]
+    old, new = load(name, root), {r["run"] for r in rows}
+    same = (old is not None and old.header["config"] == to_dict(cfg)
+            and old.header["stamp"]["git_commit"] == environment_stamp().git_commit
+            and old.header["modules"] == module_hashes(old.header["modules"])
+            and set(old.header["modules"]) <= set(mine))
+    kept = [r for r in old.rows if r["run"] not in new] if same else []
+    rank = {label: i for i, label in enumerate(order)}
+    combined = sorted([*kept, *rows], key=lambda r: rank.get(r["run"], len(rank)))  # stable
+    path = write(name, cfg, combined, program, workers, root)
+    return path, len({r["run"] for r in kept})
+
+
 def command(program: str, cfg) -> str:
     """The command line that remakes a record: the program and its non-default options."""
     return shlex.join(["python", "-m", program, *cfg.to_argv()])

@@ -131,7 +131,8 @@ class TrainStep:
     bf16: bool
 
     def __call__(self) -> torch.Tensor:
-        return train_step(self.forward, self.optimizer, self.x, self.y, self.bf16)
+        return train_step(self.forward, self.optimizer, self.x, self.y,
+                          "bf16" if self.bf16 else "fp32")
 
 
 def make_train_step(rung: Rung, size: Workload, device: torch.device) -> TrainStep:

@@ -106,7 +106,7 @@ def measure(mode: str, ctx: DistContext, args: FsdpStepConfig) -> dict:
     def step(i: int = 0) -> torch.Tensor:
         x, y = batches[i % 2]
         optimizer.zero_grad(set_to_none=True)  # first, so the gradients stay for local_bytes
-        _, loss = forward_loss(model, x, y, bf16=dev.type == "cuda")
+        _, loss = forward_loss(model, x, y, "bf16" if dev.type == "cuda" else "fp32")
         loss.backward()
         optimizer.step()
         return loss.detach()

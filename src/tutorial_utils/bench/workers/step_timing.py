@@ -65,7 +65,7 @@ def measure(cfg: StepTimingConfig, ctx: DistContext, graph: StepGraph,
     def body(sync: bool) -> None:  # one step (StepGraph clears the gradients before it)
         quiet = ctx.is_distributed and not sync
         with model.no_sync() if quiet else contextlib.nullcontext():
-            forward_loss(model, x, y, bf16=dev.type == "cuda")[1].backward()
+            forward_loss(model, x, y, "bf16" if dev.type == "cuda" else "fp32")[1].backward()
         opt.step()
 
     record = time_ddp_step(graph.capture(lambda: body(sync=True), net, opt), cfg, ctx)
