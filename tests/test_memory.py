@@ -138,7 +138,7 @@ def test_exercise_checkpointing_without_a_second_batchnorm_update():
     once = checkpointed(copy.deepcopy(net), wrapper=CheckpointedOnce)
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     for model in (net, once):
-        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, bf16=False)
+        train_step(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, "fp32")
     torch.testing.assert_close(_batchnorm_state(once), _batchnorm_state(net))
     for p, q in zip(net.parameters(), once.parameters(), strict=True):
         torch.testing.assert_close(p, q)
@@ -155,3 +155,59 @@ def test_breakdown_adds_up_to_the_measured_peak():
     # of 64 cuDNN's workspaces made it 1.4 times: too small a step to account for in parts.
     (b,) = bm.activation_curve("wrn-16-8", [128], device="cuda")
     assert b.peak == pytest.approx(b.total, rel=0.10)
+
+
+def test_the_timeline_and_fragmentation_read_a_snapshot():
+    from tutorial_utils.memory import allocation_timeline, fragmentation
+
+    snapshot = {  # the shape of torch.cuda.memory._snapshot(): one segment of 4 MiB, 3 blocks
+        "device_traces": [[
+            {"action": "segment_alloc", "size": 4 << 20}, {"action": "alloc", "size": 1 << 20},
+            {"action": "alloc", "size": 2 << 20}, {"action": "free_requested", "size": 1 << 20},
+            {"action": "free_completed", "size": 1 << 20}]],
+        "segments": [{"total_size": 4 << 20, "blocks": [
+            {"size": 1 << 20, "state": "inactive"}, {"size": 2 << 20, "state": "active_allocated"},
+            {"size": 1 << 20, "state": "inactive"}]}],
+    }
+    assert allocation_timeline(snapshot) == [(0, 4 << 20), (1 << 20, 4 << 20), (3 << 20, 4 << 20),
+                                             (3 << 20, 4 << 20), (2 << 20, 4 << 20)]
+    # 2 MiB free in the segment, but no tensor over 1 MiB fits in it: fragmented
+    assert fragmentation(snapshot) == {"reserved": 4 << 20, "allocated": 2 << 20,
+                                       "free": 2 << 20, "largest_free": 1 << 20}
+
+
+@pytest.mark.gpu
+def test_a_recorded_step_allocates_and_frees_what_the_allocator_reports():
+    from tutorial_utils.memory import allocation_timeline, fragmentation, record_allocations
+
+    model = torch.nn.Linear(1024, 1024).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    snap = record_allocations(lambda: model(x).sum().backward())
+    timeline = allocation_timeline(snap, torch.cuda.current_device())
+    assert max(a for a, _ in timeline) >= 256 * 1024 * 4  # the output, at least
+    state = fragmentation(snap)
+    assert state["reserved"] == torch.cuda.memory_reserved()
+    assert state["allocated"] == torch.cuda.memory_allocated()
+
+
+def test_the_allocator_figure_marks_each_step():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    trace = {"batches": [4, 8], "ends": [2, 4], "timeline": [(0, 2 << 20), (1 << 20, 2 << 20),
+                                                              (0, 2 << 20), (3 << 20, 4 << 20)]}
+    fig = bm.plot_allocator(trace, "t")
+    (ax,) = fig.axes
+    assert [t.get_text() for t in ax.texts] == ["batch 4", "batch 8"]
+    assert [line.get_ydata().max() for line in ax.lines] == [3.0, 4.0]  # MiB
+
+
+@pytest.mark.gpu
+def test_the_allocator_trace_of_growing_batches():
+    trace = bm.allocator_trace("wrn-16-2", [16, 24, 32], "cuda")
+    assert len(trace["ends"]) == 3 and trace["ends"] == sorted(trace["ends"])
+    assert trace["ends"][-1] <= len(trace["timeline"])
+    allocated, reserved = zip(*trace["timeline"], strict=True)
+    assert max(allocated) > 32 * 3 * 32 * 32 * 2  # at least the last batch's bf16 images
+    state = trace["state"]
+    assert state["reserved"] >= state["allocated"] and state["largest_free"] <= state["free"]

@@ -96,7 +96,7 @@ def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *, name
     """
     x, y = batch
     cuda = x.device.type == "cuda"
-    train_step(model, optimizer, x, y, bf16)
+    train_step(model, optimizer, x, y, "bf16" if bf16 else "fp32")
     params = list(model.parameters())
     state = [v for s in optimizer.state.values() for v in s.values()
              if torch.is_tensor(v) and v.device == x.device]  # Adam's step counts stay on the CPU
@@ -104,7 +104,7 @@ def breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, batch, *, name
         synchronize(x.device)
         torch.cuda.reset_peak_memory_stats(x.device)
     with saved_tensors(exclude=params + list(model.buffers())) as saved:
-        _, loss = forward_loss(model, x, y, bf16)
+        _, loss = forward_loss(model, x, y, "bf16" if bf16 else "fp32")
     loss.backward()
     grads = storage_bytes(p.grad for p in params if p.grad is not None)
     optimizer.step()
@@ -166,3 +166,54 @@ def zero_table(n_params: int, world_size: int, precision: str = "fp32") -> list[
              "bytes_per_param": (b := bytes_per_param(opt, precision, stage, world_size)),
              "bytes_per_rank": b * n_params}
             for opt in ("sgd", "adam") for stage in STAGES]
+
+
+# --- What the caching allocator did: a CUDA memory snapshot -----------------------------------
+
+
+def record_allocations(fn, steps: int = 2, max_entries: int = 200_000) -> dict:
+    """Run ``fn()`` ``steps`` times with the CUDA allocator's history on; return its snapshot.
+
+    ``torch.cuda.memory._record_memory_history`` logs every allocation and free (and where in
+    Python it came from); ``_snapshot()`` returns that log with the allocator's segments, the
+    blocks of memory it has reserved from the driver (PyTorch's "Understanding CUDA Memory
+    Usage" guide). ``torch.cuda.memory._dump_snapshot(path)`` writes the same as a file that
+    https://pytorch.org/memory_viz draws. The leading underscore: the API may still change.
+    """
+    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    try:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+        return torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def allocation_timeline(snapshot: dict, device: int = 0) -> list[tuple[int, int]]:
+    """(allocated, reserved) bytes after each event of ``device``'s trace, from zero.
+
+    The trace starts when recording did: memory allocated before it counts from the segments
+    the snapshot lists, not from the trace, so the curves are what the recorded steps added.
+    """
+    allocated = reserved = 0
+    out = []
+    for event in snapshot["device_traces"][device]:
+        size, action = event["size"], event["action"]
+        allocated += {"alloc": size, "free_completed": -size}.get(action, 0)
+        reserved += {"segment_alloc": size, "segment_free": -size}.get(action, 0)
+        out.append((allocated, reserved))
+    return out
+
+
+def fragmentation(snapshot: dict) -> dict[str, int]:
+    """Reserved against allocated bytes now, and the largest free block inside the segments.
+
+    Free memory inside reserved segments serves a new tensor only if one free block is large
+    enough: when the largest is much smaller than the total free, the memory is fragmented.
+    """
+    blocks = [b for s in snapshot["segments"] for b in s["blocks"]]
+    free = [b["size"] for b in blocks if b["state"] == "inactive"]
+    return {"reserved": sum(s["total_size"] for s in snapshot["segments"]),
+            "allocated": sum(b["size"] for b in blocks if b["state"] == "active_allocated"),
+            "free": sum(free), "largest_free": max(free, default=0)}

@@ -12,7 +12,16 @@ import gc
 
 import torch
 
-from ..memory import PARTS, Breakdown, breakdown, checkpointed, zero_table
+from ..memory import (
+    PARTS,
+    Breakdown,
+    allocation_timeline,
+    breakdown,
+    checkpointed,
+    fragmentation,
+    record_allocations,
+    zero_table,
+)
 from ..models import wide_resnet
 from ..timing import benchmark, cudnn_autotuning
 from ..trainer import train_step
@@ -67,6 +76,58 @@ def checkpoint_cost(model_name: str, batch: int, device="cpu", segments=(0, 1),
         del model, optimizer, x, y
         release(device)
     return rows
+
+
+def allocator_trace(model_name: str, batches, device) -> dict:
+    """One training step at each batch of ``batches`` in turn, on one network, with the CUDA
+    allocator's history recorded: (allocated, reserved) after every event, the event at which
+    each step ended, and the segments' state at the end (:func:`~tutorial_utils.memory.
+    fragmentation`). A batch that grows from step to step is what a data set of varying sizes
+    (or a growing sequence length) does: the blocks the last step freed are too small for it."""
+    release(device)
+    out = _record_steps(model_name, list(batches), device)
+    release(device)  # the network and its optimizer are gone with the call
+    return out
+
+
+def _record_steps(model_name: str, batches: list[int], device) -> dict:
+    model, optimizer, _ = build(model_name, batches[0], device)
+    dev = torch.device(device).index or 0
+    ends, queue = [], list(batches)
+
+    def step():
+        batch = queue.pop(0)
+        x = torch.randn(batch, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+        train_step(model, optimizer, x, torch.randint(0, 10, (batch,), device=device))
+        ends.append(len(torch.cuda.memory._snapshot()["device_traces"][dev]))
+
+    with cudnn_autotuning():
+        snap = record_allocations(step, steps=len(batches))
+    return {"batches": batches, "timeline": allocation_timeline(snap, dev), "ends": ends,
+            "state": fragmentation(snap)}
+
+
+def plot_allocator(trace: dict, title: str):
+    """Allocated against reserved memory over the allocator's events, one shade per step."""
+    import matplotlib.pyplot as plt
+
+    allocated, reserved = zip(*trace["timeline"], strict=True)
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    ax.plot([a / MiB for a in allocated], lw=0.8, label="allocated (live tensors)")
+    ax.plot([r / MiB for r in reserved], lw=1.6, label="reserved (the allocator's segments)")
+    start = 0
+    for i, (batch, end) in enumerate(zip(trace["batches"], trace["ends"], strict=True)):
+        if i % 2:
+            ax.axvspan(start, end, color="0.93", zorder=0)
+        ax.text((start + end) / 2, 0.02, f"batch {batch}", transform=ax.get_xaxis_transform(),
+                ha="center", fontsize=8)
+        start = end
+    ax.set_xlabel("allocator event (allocations and frees, in order)")
+    ax.set_ylabel("MiB added since recording began")
+    ax.set_title(title, fontsize=10)
+    legend_outside(ax)
+    fig.tight_layout()
+    return fig
 
 
 def predicted_activations(model_name: str, batch: int) -> int:

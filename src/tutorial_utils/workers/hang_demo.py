@@ -19,6 +19,13 @@ needs every rank, so a rank missing from it leaves the others blocked there befo
 clock starts (seen on 2 H200s with torch 2.11).
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` adds checks that report mismatched collectives (different
 operations or shapes on different ranks) by name.
+
+``--flight-record DIR`` (with ``TORCH_FR_BUFFER_SIZE`` set, which turns PyTorch's flight
+recorder on) has each rank write its record of collectives to ``DIR/rank_<r>`` when it stops
+communicating: the last rank before it goes elsewhere, the others when their collective times
+out. NCCL's watchdog can write them itself on a timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``); gloo
+keeps the same record but has no watchdog to write it. :func:`tutorial_utils.debugging.
+never_joined` reads the records back.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import Config, check, opt, parse_or_exit
+from ..debugging import write_flight_record
 from ..parallel.distributed import distributed
 
 
@@ -41,6 +49,8 @@ class HangConfig(Config):
 
     timeout: float = opt(10.0, "the process group's timeout, s")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    flight_record: str | None = opt(None, "folder for each rank's flight record (set "
+                                    "TORCH_FR_BUFFER_SIZE too)")
 
     def __post_init__(self) -> None:
         check((self.timeout > 0, f"--timeout must be > 0, got {self.timeout}"))
@@ -54,6 +64,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rank {ctx.rank}: first all-reduce done ({t.item():.0f} ranks)", flush=True)
         if ctx.rank == ctx.world_size - 1:
             print(f"rank {ctx.rank}: busy elsewhere, never joining the next one", flush=True)
+            if args.flight_record:
+                write_flight_record(args.flight_record, ctx.rank)
             time.sleep(args.timeout * 10)
             return
         print(f"rank {ctx.rank}: entering all-reduce (timeout {args.timeout:.0f} s)", flush=True)
@@ -62,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
             t.item()  # the host needs the result: NCCL makes it wait here
         except RuntimeError as err:  # DistBackendError is a RuntimeError too
             print(f"{type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
+            if args.flight_record:
+                write_flight_record(args.flight_record, ctx.rank)
             sys.exit(1)
 
 

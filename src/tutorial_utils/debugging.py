@@ -1,0 +1,144 @@
+"""Looking into a job that is stuck: which rank is where, and which one never joined.
+
+A hung collective shows up as every rank waiting, and the log says nothing (until the process
+group's timeout, chapter 6). Two views say more:
+
+- a stack dump of each live rank, from outside the job: :func:`worker_ranks` finds torchrun's
+  workers and their ranks (from their environment, on Linux), and :func:`stack_dump` runs
+  ``py-spy dump`` on one of them. py-spy reads a running Python process's stack without
+  stopping it or needing any code inside it (it needs permission to trace the process: the
+  same user, and ptrace allowed, which some containers forbid);
+- PyTorch's flight recorder, from inside: with ``TORCH_FR_BUFFER_SIZE=N`` every process group
+  keeps its last N collectives (operation, sequence number, shapes, state, Python stack) in a
+  ring buffer. :func:`write_flight_record` writes a rank's buffer to a file, and
+  :func:`never_joined` runs PyTorch's analyser (``torch.distributed.flight_recorder``) on the
+  files of all ranks, which names the collective that not every rank entered.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .launch import descendants
+
+
+def worker_ranks(torchrun_pid: int) -> dict[int, int]:
+    """{rank: pid} of the workers below a torchrun process, read from their ``RANK``."""
+    ranks = {}
+    for pid in descendants(torchrun_pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # exited, or not ours to read
+            continue
+        rank = next((v[5:] for v in env if v.startswith(b"RANK=")), None)
+        if rank is not None and b"TORCHELASTIC_RUN_ID=" in b"\0".join(env):
+            ranks.setdefault(int(rank), pid)  # the worker, not a helper it started
+    return ranks
+
+
+def py_spy() -> str | None:
+    """py-spy's program: on the PATH, beside this Python (a virtual environment that is not
+    activated), or in the ``bin`` folder of a ``pip install --target`` folder on sys.path."""
+    places = [None, str(Path(sys.executable).parent),
+              *(str(Path(p) / "bin") for p in sys.path if p)]
+    return next((exe for place in places if (exe := shutil.which("py-spy", path=place))), None)
+
+
+def stack_dump(pid: int, timeout_s: float = 30.0) -> str:
+    """The Python stack of every thread of ``pid``, innermost frame first (``py-spy dump``)."""
+    exe = py_spy()
+    if exe is None:
+        raise FileNotFoundError("py-spy is not installed: pip install py-spy")
+    done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
+        raise PermissionError(f"py-spy could not read process {pid}: {last[0]}")
+    return done.stdout
+
+
+def main_thread(dump: str, frames: int = 3) -> list[str]:
+    """The innermost ``frames`` frames of the main thread in a ``py-spy dump``."""
+    lines = dump.splitlines()
+    start = next((i for i, line in enumerate(lines) if '"MainThread"' in line), None)
+    if start is None:
+        return []
+    out = []
+    for line in lines[start + 1:]:
+        if not line.startswith("    "):
+            break
+        out.append(line.strip())
+    return out[:frames]
+
+
+def stuck_stacks(torchrun_pid: int, frames: int = 3, wait_s: float = 60.0,
+                 every_s: float = 1.0) -> dict[int, list[str]]:
+    """{rank: innermost ``frames`` frames of its main thread}, once two rounds of dumps
+    ``every_s`` apart agree for every rank: a job that is stuck, not one that is busy."""
+    deadline, last = time.monotonic() + wait_s, None
+    while time.monotonic() < deadline:
+        now = {rank: main_thread(stack_dump(pid), frames)
+               for rank, pid in sorted(worker_ranks(torchrun_pid).items())}
+        if now and now == last and all(now.values()):
+            return now
+        last = now
+        time.sleep(every_s)
+    raise TimeoutError(f"the ranks of torchrun {torchrun_pid} did not stand still for "
+                       f"{every_s:.0f} s within {wait_s:.0f} s: busy, not stuck, or not started")
+
+
+def write_flight_record(folder: str | Path, rank: int) -> Path:
+    """Write this rank's flight record to ``folder/rank_<rank>`` (the analyser's file names)."""
+    if not int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0):
+        raise RuntimeError("the flight recorder is off: set TORCH_FR_BUFFER_SIZE=2000 (entries "
+                           "kept per process) in the job's environment")
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        raise RuntimeError("write_flight_record needs the process group still alive")
+    dump = getattr(c10d, "_dump_fr_trace", None)  # every backend's record, torch >= 2.9
+    if dump is None:
+        raise RuntimeError(f"torch {__import__('torch').__version__} cannot write gloo's "
+                           "flight record; use torch 2.9 or later")
+    path = Path(folder) / f"rank_{rank}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(dump(True, True, False))  # collectives, their stacks, not only finished
+    tmp.replace(path)
+    return path
+
+
+def _name_groups(folder: Path) -> None:
+    """gloo's record lists the default group under the name "" while its entries say "0" (torch
+    2.11-2.14); the analyser matches the two, so name each group as its entries do."""
+    for path in folder.glob("rank_*"):
+        record = pickle.loads(path.read_bytes())
+        named = {e["process_group"][0]: e["process_group"][1] for e in record["entries"]}
+        config = record.get("pg_config", {})
+        if "" in config and len(named) == 1 and "" not in named:
+            (name, desc), = named.items()
+            config[name] = config.pop("") | {"name": name, "desc": desc}
+            path.write_bytes(pickle.dumps(record))
+
+
+def never_joined(folder: str | Path, timeout_s: float = 60.0) -> str:
+    """PyTorch's analysis of the flight records in ``folder``: the collectives that not every
+    rank entered, which ranks are missing, and where the others called it."""
+    folder = Path(folder)
+    if not any(folder.glob("rank_*")):
+        raise FileNotFoundError(f"no flight records (rank_<r>) in {folder}")
+    _name_groups(folder)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                           str(folder), "--prefix", "rank_"], capture_output=True, text=True,
+                          timeout=timeout_s)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the flight-record analyser failed: {last}")
+    return (done.stdout + done.stderr).strip()  # it reports through logging, on stderr
