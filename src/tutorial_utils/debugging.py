@@ -128,6 +128,24 @@ def _name_groups(folder: Path) -> None:
             path.write_bytes(pickle.dumps(record))
 
 
+def _as_nccl(folder: Path) -> None:
+    """Relabel gloo's entries ("gloo:all_reduce") as NCCL's, for an analyser that reads only
+    NCCL's (torch 2.11's); the operations, ranks and stacks it matches stay as recorded."""
+    for path in folder.glob("rank_*"):
+        record = pickle.loads(path.read_bytes())
+        for entry in record["entries"]:
+            backend, _, op = entry["profiling_name"].partition(":")
+            if backend == "gloo":
+                entry["profiling_name"] = f"nccl:{op}"
+        path.write_bytes(pickle.dumps(record))
+
+
+def _analyse(folder: Path, timeout_s: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                           str(folder), "--prefix", "rank_"], capture_output=True, text=True,
+                          timeout=timeout_s)
+
+
 def never_joined(folder: str | Path, timeout_s: float = 60.0) -> str:
     """PyTorch's analysis of the flight records in ``folder``: the collectives that not every
     rank entered, which ranks are missing, and where the others called it."""
@@ -135,10 +153,12 @@ def never_joined(folder: str | Path, timeout_s: float = 60.0) -> str:
     if not any(folder.glob("rank_*")):
         raise FileNotFoundError(f"no flight records (rank_<r>) in {folder}")
     _name_groups(folder)
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
-                           str(folder), "--prefix", "rank_"], capture_output=True, text=True,
-                          timeout=timeout_s)
+    done, note = _analyse(folder, timeout_s), ""
+    if done.returncode != 0 and "name formatting error" in done.stderr:
+        _as_nccl(folder)  # an analyser older than gloo's records (torch 2.11)
+        done = _analyse(folder, timeout_s)
+        note = "(gloo's entries relabelled nccl: this torch's analyser reads only NCCL's)\n"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"the flight-record analyser failed: {last}")
-    return (done.stdout + done.stderr).strip()  # it reports through logging, on stderr
+    return note + (done.stdout + done.stderr).strip()  # it reports through logging, on stderr
