@@ -167,6 +167,29 @@ def test_step_timing_captures_and_times_the_step_on_a_gpu(tmp_path):
     assert len(timeline.step_starts(timeline.load(tmp_path / "t.json"))) == 5
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["foreach", "fused"])
+def test_the_eager_benchmark_step_never_waits_for_the_gpu(kernels):
+    # A tensor lr in foreach SGD becomes a Python number on every step: a synchronisation
+    # that cost the book's eager DDP rung 4 % against the same step with a float lr.
+    from tutorial_utils.bench.workers.step_timing import make_optimizer
+    from tutorial_utils.bench.workload import StepTimingConfig
+
+    net = wide_resnet("wrn-10-1").cuda()
+    for capture in (False, True):
+        cfg = StepTimingConfig(model="wrn-10-1", device="cuda", optimizer="fused" if capture
+                               else kernels, capture=capture)
+        opt = make_optimizer(cfg, net)
+        net(torch.randn(4, 3, 32, 32, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()  # the lr a recorded step needs (a tensor, fused) does not wait either
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        opt.zero_grad(set_to_none=True)
+
+
 class FakeEvent:
     def __init__(self, done=False):
         self.done = done

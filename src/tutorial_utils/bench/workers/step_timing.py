@@ -19,6 +19,7 @@ option: :class:`~tutorial_utils.bench.workload.StepTimingConfig`.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 
@@ -55,23 +56,30 @@ def measure(cfg: StepTimingConfig, ctx: DistContext, graph: StepGraph,
     net = wide_resnet(cfg.model).to(dev, memory_format=torch.channels_last)
     with graph.stream():  # DDP is built on the stream that will capture it
         model = ddp(compile_for_ddp(net, cfg.compile, ctx), ctx)
-    fused = cfg.optimizer == "fused"
-    # A tensor lr: the optimizer step may be recorded in the graph (StepGraph refuses a float).
-    opt = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.01, device=dev), momentum=0.9,
-                          nesterov=True, fused=fused or None, foreach=not fused or None)
+    opt = make_optimizer(cfg, net)
     x = torch.randn(cfg.batch, 3, 32, 32, device=dev).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (cfg.batch,), device=dev)
 
-    def body(sync: bool) -> None:  # one step (StepGraph clears the gradients before it)
+    def body(sync: bool) -> None:  # one step
         quiet = ctx.is_distributed and not sync
         with model.no_sync() if quiet else contextlib.nullcontext():
             forward_loss(model, x, y, "bf16" if dev.type == "cuda" else "fp32")[1].backward()
         opt.step()
 
-    record = time_ddp_step(graph.capture(lambda: body(sync=True), net, opt), cfg, ctx)
+    def step_of(body_: Callable[[], None], g: StepGraph) -> Callable[[], None]:
+        """The step recorded in ``g`` (which clears the gradients itself), or run eagerly."""
+        if cfg.capture:
+            return g.capture(body_, net, opt)
+
+        def eager() -> None:
+            opt.zero_grad(set_to_none=True)
+            body_()
+        return eager
+
+    record = time_ddp_step(step_of(lambda: body(sync=True), graph), cfg, ctx)
     # The no_sync step last: each captured graph writes gradients of its own, and capturing
     # this one hands the parameters its gradients, so the DDP graph is not replayed after it.
-    compute = benchmark(local_graph.capture(lambda: body(sync=False), net, opt), warmup=2,
+    compute = benchmark(step_of(lambda: body(sync=False), local_graph), warmup=2,
                         repeats=cfg.repeats, device=dev)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     busbw = measure_bus_bandwidth(grad_bytes, dev) if ctx.is_distributed else None
@@ -79,6 +87,21 @@ def measure(cfg: StepTimingConfig, ctx: DistContext, graph: StepGraph,
                      "bus_gbps": busbw, "world_size": ctx.world_size, "model": cfg.model,
                      "compile": cfg.compile, "optimizer": cfg.optimizer, "capture": cfg.capture,
                      "per_gpu_batch": cfg.batch, "device": str(dev)}
+
+
+def make_optimizer(cfg: StepTimingConfig, net: torch.nn.Module) -> torch.optim.SGD:
+    """SGD with Nesterov momentum, its kernels chosen by ``cfg.optimizer``.
+
+    A step recorded as a CUDA graph must read its learning rate from a tensor on the GPU
+    (:class:`~tutorial_utils.step_graph.StepGraph` refuses a float). An eager step gets a float:
+    foreach SGD turns a tensor lr into a Python number on every step (``alpha=-lr``), a
+    synchronisation that empties the GPU's queue (chapter 2 measures what it costs).
+    """
+    dev = next(net.parameters()).device
+    fused = cfg.optimizer == "fused"
+    lr = torch.tensor(0.01, device=dev) if cfg.capture else 0.01
+    return torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9, nesterov=True,
+                           fused=fused or None, foreach=not fused or None)
 
 
 def time_ddp_step(step, cfg: StepTimingConfig, ctx: DistContext) -> dict:
