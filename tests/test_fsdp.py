@@ -10,14 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
+from tutorial_utils.bench import sharding
 from tutorial_utils.bench.workers import fsdp_step
 from tutorial_utils.config import ConfigError
 from tutorial_utils.jsonl import read_jsonl
 from tutorial_utils.launch import torchrun
 from tutorial_utils.models import wide_resnet
 from tutorial_utils.parallel.distributed import DistContext
-from tutorial_utils.parallel.fsdp import wrn_units
+from tutorial_utils.parallel.fsdp import shard, wrn_units
 from tutorial_utils.sharded_checkpoint import commit, latest_checkpoint
 from tutorial_utils.workers.dcp_resume import KILL_ENV
 
@@ -58,12 +60,59 @@ def test_sharded_modes_hold_half_the_state_per_rank(modes):
 
 def test_gpu_only_options_skip_clearly_on_cpu(tmp_path, capsys):
     out = tmp_path / "skip.jsonl"
-    fsdp_step.main(["--compile", "--device", "cpu", "--modes", "ddp", "zero3", "--out", str(out)])
-    assert "skipped: --compile and --fit-gib need CUDA GPUs" in capsys.readouterr().out
+    fsdp_step.main(["--variants", "eager", "blocks", "graph", "--device", "cpu",
+                    "--modes", "ddp", "zero3", "--out", str(out)])
+    assert "skipped: --fit-gib and the variants blocks, model, graph need CUDA GPUs" in \
+        capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["skipped"] for r in records] == ["needs CUDA GPUs"] * 2
-    with pytest.raises(ConfigError, match="one mode per job"):  # a failed attempt could
-        fsdp_step.FsdpStepConfig(fit_gib=3, modes=("ddp", "zero3"))  # leave memory behind
+    # a step graph is DDP's alone; the eager rows ran, in a process group of one
+    assert [(r["mode"], r["variant"]) for r in records] == [
+        ("ddp", "eager"), ("ddp", "blocks"), ("ddp", "graph"), ("zero3", "eager"),
+        ("zero3", "blocks")]
+    assert [r.get("skipped") for r in records] == [None, *["needs CUDA GPUs"] * 2, None,
+                                                   "needs CUDA GPUs"]
+    assert records[0]["losses"] == pytest.approx(records[3]["losses"], rel=1e-5)
+    with pytest.raises(ConfigError, match="one mode and one variant per job"):  # a failed
+        fsdp_step.FsdpStepConfig(fit_gib=3, modes=("ddp", "zero3"))  # attempt leaves memory
+
+
+def test_one_process_forms_a_group_of_one_so_that_fsdp2_wraps_the_model():
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    with fsdp_step.group_of_one(ctx):
+        sharded = shard(wide_resnet("wrn-10-1"), ctx)
+        assert all(isinstance(p, DTensor) for p in sharded.parameters())
+    assert not torch.distributed.is_initialized()  # the group is gone again
+    plain = shard(wide_resnet("wrn-10-1"), ctx)  # without a group: the model as it was
+    assert not any(isinstance(p, DTensor) for p in plain.parameters())
+
+
+def row(mode, variant, step_ms, host_ms, batch=128):
+    return {"kind": "modes", "mode": mode, "variant": variant, "step_ms": step_ms,
+            "host_ms": host_ms, "per_gpu_batch": batch, "world_size": 1, "losses": [2.0, 1.9],
+            "params": 4e6, "grads": 4e6, "optimizer": 4e6, "images_per_s": batch / step_ms * 1e3}
+
+
+def test_the_sharding_table_marks_each_modes_best_and_the_host_bound_rows():
+    rows = [row("ddp", "eager", 14.0, 13.5), row("ddp", "graph", 11.0, 0.2),
+            row("zero3", "eager", 18.0, 17.9), row("zero3", "blocks", 16.0, 12.0),
+            row("ddp", "eager", 50.0, 20.0, batch=512), row("zero3", "eager", 52.0, 30.0, 512)]
+    lines = sharding.time_table(rows, 128).splitlines()[1:]
+    marks = {tuple(line.split()[:2]): line.split("  ")[-1].strip() for line in lines}
+    assert marks == {("ddp", "eager"): "host-bound", ("ddp", "graph"): "best",
+                     ("zero3", "eager"): "host-bound", ("zero3", "blocks"): "best"}
+    out = sharding.summary(rows)
+    assert out["best_ddp_128_name"] == "graph" and out["best_fsdp_128_name"] == "zero3, blocks"
+    assert out["fsdp_over_ddp_128"] == pytest.approx(16 / 11)
+    assert out["fsdp_over_ddp_512"] == pytest.approx(52 / 50)
+    assert out["host_ddp_512"] == pytest.approx(20 / 50)
+    assert sharding.batches(rows) == [128, 512]
+
+
+def test_a_step_graph_is_measured_for_ddp_only():
+    cfg = fsdp_step.FsdpStepConfig(modes=("ddp", "zero2"), variants=("eager", "graph"))
+    assert cfg.runs() == [("ddp", "eager"), ("ddp", "graph"), ("zero2", "eager")]
+    with pytest.raises(ConfigError, match="--nproc must be >= 1"):
+        sharding.ShardingConfig(nproc=0)
 
 
 def test_fsdp_units_of_a_wrn():
@@ -167,7 +216,7 @@ def test_fsdp_modes_on_gpus(tmp_path):
     out = tmp_path / "fsdp.jsonl"
     result = torchrun("tutorial_utils.bench.workers.fsdp_step",
                       ["--model", "wrn-16-4", "--batch", "64", "--device", "cuda", "--repeats", "5",
-                       "--compile", "--prefetch", "--out", str(out)],
+                       "--variants", "eager", "blocks", "--prefetch", "--out", str(out)],
                       nproc=2, timeout_s=600, metrics_file=out, echo=False)
     modes = {r["mode"]: r for r in result.metrics}
     for mode in SHARDED:

@@ -1,17 +1,23 @@
-"""Chapter 6's sharding measurements: DDP against each ZeRO stage, then which fit a memory cap.
+"""Chapter 6's sharding measurements: DDP against each ZeRO stage, each at its best, then which
+modes fit a memory cap.
 
-    python -m tutorial_utils.bench.sharding --nproc 2 --record
+    python -m tutorial_utils.bench.sharding --nproc 1 --record   # one GPU: host work alone
+    python -m tutorial_utils.bench.sharding --nproc 2 --record   # two GPUs: with the traffic
 
-Both run :mod:`tutorial_utils.bench.workers.fsdp_step` under torchrun. The comparison runs
-every mode in the same processes on the same model and data and reports, per mode, the bytes a
-rank holds, the first losses, the step time, the host's queueing time and the peak memory. The
-capped runs give each process ``--fit-gib`` GiB of its GPU and try to train a larger network in
-each mode, each mode in processes of its own (an out-of-memory error can leave memory behind).
+Both run :mod:`tutorial_utils.bench.workers.fsdp_step` under torchrun, one launch per per-GPU
+batch: every mode in every variant that composes with it (eager, compiled per block, compiled
+whole, DDP's step as one CUDA graph), in the same processes on the same model and data. Per mode
+and variant: the bytes a rank holds, the first losses, the step time, the host's queueing time
+and the peak memory. One process forms a process group of one, so DDP and FSDP2 wrap the model
+as on N GPUs: their host work, with nothing to send. The capped runs (two processes or more)
+give each process ``--fit-gib`` GiB of its GPU and try to train a larger network in each mode,
+each mode in processes of its own (an out-of-memory error can leave memory behind).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,30 +27,39 @@ from ..devices import gpu_count
 from ..launch import torchrun
 from . import records
 from .report import Column, table
-from .workers.fsdp_step import FsdpStepConfig
+from .workers.fsdp_step import VARIANTS, FsdpStepConfig, Variant
 
-RECORD = "06-sharding"
 WORKER = "tutorial_utils.bench.workers.fsdp_step"
 FIT_MODES = ("ddp", "zero1", "zero3", "zero3-blocks")
+SHARDED = ("zero2", "zero3", "zero3-blocks")  # FSDP2's modes
+HOST_BOUND = 0.9  # host time per step at or above this fraction of the step: the GPU waits
+
+
+def record_name(nproc: int) -> str:
+    """The record of a run on ``nproc`` GPUs (chapter 6 reads the one-GPU and two-GPU ones)."""
+    return f"06-sharding-{nproc}gpu"
 
 
 @dataclass
 class ShardingConfig(Config):
-    """DDP against each ZeRO stage on N processes, then which modes train under a memory cap."""
+    """DDP against each ZeRO stage on N processes, each at its best; which train under a cap."""
 
     nproc: int = opt(2, "processes (one per GPU when there are as many, else CPU processes)")
     model: str = opt("wrn-28-10", "the network every mode trains")
-    batch: int = opt(128, "images per process")
-    repeats: int = opt(20, "timed steps per mode")
+    batches: tuple[int, ...] = opt((128, 512), "images per process: one launch for each")
+    variants: tuple[Variant, ...] = opt(VARIANTS, "how each mode runs (GPUs; CPU: eager)")
+    repeats: int = opt(20, "timed steps per mode and variant")
     fit_model: str = opt("wrn-40-20", "the larger network of the capped runs")
     fit_batch: int = opt(8, "its images per process")
     fit_gib: float = opt(3.0, "GPU memory each process may use in the capped runs (GiB)")
-    record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
+    record: bool = opt(False, "write the result as the record 06-sharding-<nproc>gpu (book/data)")
 
     def __post_init__(self) -> None:
-        check((self.nproc >= 2, f"--nproc must be >= 2: sharding needs several processes, "
-               f"got {self.nproc}"))
-        FsdpStepConfig(model=self.model, batch=self.batch, repeats=self.repeats)  # its rules
+        check((self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}"),
+              (bool(self.batches), "--batches needs at least one batch size"))
+        for batch in self.batches:  # the worker's rules
+            FsdpStepConfig(model=self.model, batch=batch, repeats=self.repeats,
+                           variants=self.variants)
         FsdpStepConfig(model=self.fit_model, batch=self.fit_batch, fit_gib=self.fit_gib,
                        modes=("ddp",))
 
@@ -61,11 +76,16 @@ def _launch(worker: FsdpStepConfig, nproc: int) -> list[dict]:
 
 
 def run(cfg: ShardingConfig) -> list[dict]:
-    """Every mode side by side, then each mode under the cap (GPUs only): the worker's lines."""
-    modes = _launch(FsdpStepConfig(model=cfg.model, batch=cfg.batch, repeats=cfg.repeats,
-                                   device=cfg.device), cfg.nproc)
-    rows = [r | {"kind": "modes"} for r in modes]
-    if cfg.device == "cuda":
+    """Every mode and variant side by side at each batch, then each mode under the cap (on two
+    GPUs or more): the worker's lines."""
+    gpus = cfg.device == "cuda"
+    rows = []
+    for batch in cfg.batches:
+        modes = _launch(FsdpStepConfig(model=cfg.model, batch=batch, repeats=cfg.repeats,
+                                       variants=cfg.variants if gpus else ("eager",),
+                                       device=cfg.device), cfg.nproc)
+        rows += [r | {"kind": "modes"} for r in modes]
+    if gpus and cfg.nproc >= 2:  # sharding over one process saves nothing
         for mode in FIT_MODES:
             (fit,) = _launch(FsdpStepConfig(model=cfg.fit_model, batch=cfg.fit_batch,
                                             modes=(mode,), fit_gib=cfg.fit_gib, device="cuda"),
@@ -76,21 +96,58 @@ def run(cfg: ShardingConfig) -> list[dict]:
 
 def measured(cfg: ShardingConfig) -> tuple[list[dict], records.Source]:
     """Chapter 6's rows: its record where there is one, else measured here; and where from."""
-    return records.read_or_measure(RECORD, lambda: run(cfg), cfg)
+    return records.read_or_measure(record_name(cfg.nproc), lambda: run(cfg), cfg)
 
 
-COLUMNS = (Column("mode", "", width=13, left=True), Column("params", "params MB", ".1f"),
-           Column("grads", "grads MB", ".1f", 9), Column("optimizer", "optim MB", ".1f", 9),
-           Column("peak_gib", "peak GiB", ".2f", 9), Column("step_ms", "step ms", ".1f", 8),
-           Column("host_ms", "host ms", ".1f", 8),
-           Column("losses", "  losses", width=2, left=True, missing=""))
+def _modes(rows: list[dict], batch: int | None = None) -> list[dict]:
+    """The comparison's rows at ``batch`` (default: the first batch measured), in order."""
+    modes = [r for r in rows if r["kind"] == "modes" and "step_ms" in r]
+    batch = modes[0]["per_gpu_batch"] if batch is None else batch
+    return [r for r in modes if r["per_gpu_batch"] == batch]
 
 
-def modes_table(rows: list[dict]) -> str:
-    """Per mode: the state a rank holds (MB), the peak memory, the step and host times."""
+def batches(rows: list[dict]) -> list[int]:
+    """The per-GPU batches of the comparison, in the order measured."""
+    return list(dict.fromkeys(r["per_gpu_batch"] for r in rows if r["kind"] == "modes"))
+
+
+STATE_COLUMNS = (Column("mode", "", width=13, left=True), Column("params", "params MB", ".1f"),
+                 Column("grads", "grads MB", ".1f", 9),
+                 Column("optimizer", "optim MB", ".1f", 9),
+                 Column("losses", "  first losses", width=2, left=True, missing=""))
+
+
+def state_table(rows: list[dict]) -> str:
+    """Per mode (eager, first batch): the state a rank holds (MB) and its first losses."""
     return table([r | {k: r[k] / 1e6 for k in ("params", "grads", "optimizer")}
                   | {"losses": "  " + " ".join(f"{v:.4f}" for v in r["losses"])}
-                  for r in rows if r["kind"] == "modes"], COLUMNS)
+                  for r in _modes(rows) if r["variant"] == "eager"], STATE_COLUMNS)
+
+
+TIME_COLUMNS = (Column("mode", "", width=13, left=True), Column("variant", "variant", width=8,
+                left=True), Column("step_ms", "step ms", ".2f", 9),
+                Column("host_ms", "host ms", ".2f", 9), Column("images_per_s", "images/s", ".0f"),
+                Column("peak_gib", "peak GiB", ".2f", 9),
+                Column("marks", "", width=2, left=True, missing=""))
+
+
+def best(rows: list[dict], modes: tuple[str, ...]) -> dict | None:
+    """The fastest of ``rows`` whose mode is one of ``modes``."""
+    return min((r for r in rows if r["mode"] in modes), key=lambda r: r["step_ms"], default=None)
+
+
+def time_table(rows: list[dict], batch: int) -> str:
+    """Per mode and variant at ``batch``: step and host times, images/s, peak memory; each
+    mode's fastest variant marked "best", and "host-bound" where the host's time to queue a
+    step is at least 90 % of the step."""
+    here = _modes(rows, batch)
+    fastest = {id(best(here, (m,))) for m in dict.fromkeys(r["mode"] for r in here)}
+    out = []
+    for r in here:
+        marks = ["best" if id(r) in fastest else "",
+                 "host-bound" if r["host_ms"] >= HOST_BOUND * r["step_ms"] else ""]
+        out.append(r | {"marks": "  " + ", ".join(m for m in marks if m)})
+    return table(out, TIME_COLUMNS)
 
 
 def fit_lines(rows: list[dict]) -> list[str]:
@@ -104,27 +161,44 @@ def fit_lines(rows: list[dict]) -> list[str]:
     return out
 
 
-def summary(rows: list[dict]) -> dict[str, float]:
-    """Chapter 6's glue: each mode's state and step time against DDP's, and the losses' spread."""
-    modes = {r["mode"]: r for r in rows if r["kind"] == "modes"}
-    ddp = modes["ddp"]
-    out = {"host_ddp": ddp["host_ms"] / ddp["step_ms"],
-           "loss_diff": max(abs(a - b) for r in modes.values()
-                            for a, b in zip(ddp["losses"], r["losses"], strict=True))}
-    for name, r in modes.items():
-        key = name.replace("-", "_")
-        out |= {f"state_{key}": (r["params"] + r["grads"] + r["optimizer"]) / 1e6,
-                f"slowdown_{key}": r["step_ms"] / ddp["step_ms"],
-                f"peak_{key}": r.get("peak_gib", float("nan"))}
+def summary(rows: list[dict]) -> dict[str, float | str]:
+    """Chapter 6's glue: the state per mode, the losses' spread, and at each batch DDP's and
+    FSDP2's best variant, their ratio and how much of DDP's eager step the host took."""
+    first = {r["mode"]: r for r in _modes(rows) if r["variant"] == "eager"}
+    ddp = first["ddp"]
+    out: dict[str, float | str] = {
+        "world_size": ddp["world_size"],
+        "loss_diff": max(abs(a - b) for r in first.values()
+                         for a, b in zip(ddp["losses"], r["losses"], strict=True))}
+    for name, r in first.items():
+        out[f"state_{name.replace('-', '_')}"] = (r["params"] + r["grads"] + r["optimizer"]) / 1e6
+    for batch in batches(rows):
+        here = _modes(rows, batch)
+        eager = {r["mode"]: r for r in here if r["variant"] == "eager"}
+        top_ddp, top_fsdp = best(here, ("ddp",)), best(here, SHARDED)
+        out |= {f"host_ddp_{batch}": eager["ddp"]["host_ms"] / eager["ddp"]["step_ms"],
+                f"eager_ddp_{batch}": eager["ddp"]["step_ms"],
+                f"eager_zero3_{batch}": eager.get("zero3", {}).get("step_ms", math.nan),
+                f"best_ddp_{batch}": top_ddp["step_ms"],
+                f"best_ddp_{batch}_name": top_ddp["variant"],
+                f"best_fsdp_{batch}": top_fsdp["step_ms"] if top_fsdp else math.nan,
+                f"best_fsdp_{batch}_name": (f"{top_fsdp['mode']}, {top_fsdp['variant']}"
+                                            if top_fsdp else "not measured"),
+                f"fsdp_over_ddp_{batch}": (top_fsdp["step_ms"] / top_ddp["step_ms"]
+                                           if top_fsdp else math.nan)}
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(ShardingConfig, argv, __spec__.name)
     rows = run(cfg)
-    print(modes_table(rows), *fit_lines(rows), sep="\n")
+    print(state_table(rows))
+    for batch in batches(rows):
+        print(f"\n{batch} images per process:\n{time_table(rows, batch)}")
+    print(*fit_lines(rows), sep="\n")
     if cfg.record:
-        print(f"wrote {records.write(RECORD, cfg, rows, __spec__.name, [WORKER])}")
+        name = record_name(cfg.nproc)
+        print(f"wrote {records.write(name, cfg, rows, __spec__.name, [WORKER])}")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -64,7 +65,7 @@ def shard(model: WideResNet, ctx: DistContext, *, units: Units = "group",
     fp32, i.e. 25 more units of their own. The cost of autocast: its bf16 copy of each weight
     lives from forward to backward, unsharded (2 bytes per parameter).
     """
-    if not ctx.is_distributed:  # like ddp(): one process keeps the plain model
+    if not dist.is_initialized():  # FSDP2 needs a process group (one process may form one)
         if compile_blocks:
             compile_blocks_of([model])
         return model
@@ -87,10 +88,14 @@ def shard(model: WideResNet, ctx: DistContext, *, units: Units = "group",
 
 
 def compile_blocks_of(modules) -> None:
-    """``torch.compile`` every residual block in place (the module tree and names unchanged)."""
+    """``torch.compile`` every residual block in place (the module tree and names unchanged).
+
+    ``dynamic=False``: the blocks share one ``forward``, so from the second shape on, dynamo
+    would otherwise compile it for symbolic sizes, kernels that suit every block and none well.
+    """
     for m in modules:
         for block in (b for b in m.modules() if isinstance(b, BasicBlock)):
-            block.compile()
+            block.compile(dynamic=False)
 
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
