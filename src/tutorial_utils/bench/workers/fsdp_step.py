@@ -122,17 +122,34 @@ def build(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig, graph
     return model, torch.optim.SGD(model.parameters(), **sgd)
 
 
-def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> dict:
+def fresh_batches(ctx: DistContext, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Forget the previous mode, then two random batches: each rank its own, the same per mode."""
     dev = ctx.device
-    gc.collect()  # forget the previous mode: its model may sit in a reference cycle
+    gc.collect()  # the previous mode's model may sit in a reference cycle
     torch.compiler.reset()  # else each mode adds variants until the cache limit is hit
     if dev.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-    g = torch.Generator().manual_seed(1 + ctx.rank)  # each rank its own data, same per mode
-    batches = [(torch.randn(args.batch, 3, 32, 32, generator=g).to(dev)
-                .to(memory_format=torch.channels_last),
-                torch.randint(0, 10, (args.batch,), generator=g).to(dev)) for _ in range(2)]
+    g = torch.Generator().manual_seed(1 + ctx.rank)
+    return [(torch.randn(batch, 3, 32, 32, generator=g).to(dev)
+             .to(memory_format=torch.channels_last),
+             torch.randint(0, 10, (batch,), generator=g).to(dev)) for _ in range(2)]
+
+
+def time_steps(step, ctx: DistContext, args: FsdpStepConfig) -> dict:
+    """The step's median time and spread, then the host's time to queue one step alone."""
+    dev = ctx.device
+    t = benchmark(step, warmup=5, repeats=args.repeats, device=dev)
+    synchronize(dev)  # the host clock below times the queueing of one step alone
+    host = host_clock_without_sync(step, repeats=5).median_ms
+    synchronize(dev)
+    return {"step_ms": t.median_ms, "step_spread": t.spread, "host_ms": host,
+            "images_per_s": args.batch * ctx.world_size / t.median_ms * 1e3}
+
+
+def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> dict:
+    dev = ctx.device
+    batches = fresh_batches(ctx, args.batch)
     record = {"mode": mode, "variant": variant}
     with StepGraph(dev, enabled=variant == "graph") as graph:  # released before the group
         model, optimizer = build(mode, variant, ctx, args, graph)
@@ -166,12 +183,7 @@ def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> 
             return record | {"fits": False}
         record |= {"fits": True, **local_bytes(model, optimizer)}
         if args.repeats:
-            t = benchmark(step, warmup=5, repeats=args.repeats, device=dev)
-            record |= {"step_ms": t.median_ms, "step_spread": t.spread,
-                       "images_per_s": args.batch * ctx.world_size / t.median_ms * 1e3}
-            synchronize(dev)  # the host clock below times the queueing of one step alone
-            record["host_ms"] = host_clock_without_sync(step, repeats=5).median_ms
-            synchronize(dev)
+            record |= time_steps(step, ctx, args)
         if args.trace:  # every rank profiles (collectives must match), rank 0 writes
             args.trace.mkdir(parents=True, exist_ok=True)
             path = args.trace / f"{mode}-{variant}.json"
