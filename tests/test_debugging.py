@@ -62,9 +62,25 @@ def test_the_flight_records_name_the_rank_that_never_joined(tmp_path):
                                                       "--flight-record", str(tmp_path)],
                  nproc=2, timeout_s=120, env={"TORCH_FR_BUFFER_SIZE": "100"}, echo=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank_0", "rank_1"]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     report = never_joined(tmp_path)
     assert "Not all ranks joining collective, sequence number: 2" in report, report
     assert "missing ranks: {1}" in report and "hang_demo.py" in report, report
+    # the analysis renames and relabels entries in a copy: the reader's records stay as written
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_coloured_stack_dump_reads_as_plain_frames(tmp_path, monkeypatch):
+    import os
+
+    from tutorial_utils import debugging
+
+    fake = tmp_path / "py-spy"  # a py-spy that colours its output even into a pipe
+    fake.write_text("#!/bin/sh\nprintf 'Thread 7 (idle): \"MainThread\"\\n    "
+                    "\\033[32mall_reduce\\033[0m (\\033[36mc10d.py\\033[0m:\\033[2m30\\033[0m)\\n'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(debugging, "py_spy", lambda: str(fake))
+    assert debugging.main_thread(debugging.stack_dump(os.getpid())) == ["all_reduce (c10d.py:30)"]
 
 
 def test_a_flight_record_needs_the_recorder_on(tmp_path, monkeypatch):

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from .launch import descendants
+
+ANSI_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # a terminal's colour codes
 
 
 def worker_ranks(torchrun_pid: int) -> dict[int, int]:
@@ -56,11 +61,11 @@ def stack_dump(pid: int, timeout_s: float = 30.0) -> str:
     if exe is None:
         raise FileNotFoundError("py-spy is not installed: pip install py-spy")
     done = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                          timeout=timeout_s)
+                          timeout=timeout_s, env=os.environ | {"NO_COLOR": "1"})
     if done.returncode != 0:
         last = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:] or ["no output"]
         raise PermissionError(f"py-spy could not read process {pid}: {last[0]}")
-    return done.stdout
+    return ANSI_COLOUR.sub("", done.stdout)  # some py-spy builds colour even into a pipe
 
 
 def main_thread(dump: str, frames: int = 3) -> list[str]:
@@ -115,29 +120,31 @@ def write_flight_record(folder: str | Path, rank: int) -> Path:
     return path
 
 
-def _name_groups(folder: Path) -> None:
+def _rewrite(folder: Path, change: Callable[[dict], None]) -> None:
+    """Apply ``change`` to every rank's record in ``folder`` and write it back."""
+    for path in folder.glob("rank_*"):
+        record = pickle.loads(path.read_bytes())
+        change(record)
+        path.write_bytes(pickle.dumps(record))
+
+
+def _name_groups(record: dict) -> None:
     """gloo's record lists the default group under the name "" while its entries say "0" (torch
     2.11-2.14); the analyser matches the two, so name each group as its entries do."""
-    for path in folder.glob("rank_*"):
-        record = pickle.loads(path.read_bytes())
-        named = {e["process_group"][0]: e["process_group"][1] for e in record["entries"]}
-        config = record.get("pg_config", {})
-        if "" in config and len(named) == 1 and "" not in named:
-            (name, desc), = named.items()
-            config[name] = config.pop("") | {"name": name, "desc": desc}
-            path.write_bytes(pickle.dumps(record))
+    named = {e["process_group"][0]: e["process_group"][1] for e in record["entries"]}
+    config = record.get("pg_config", {})
+    if "" in config and len(named) == 1 and "" not in named:
+        (name, desc), = named.items()
+        config[name] = config.pop("") | {"name": name, "desc": desc}
 
 
-def _as_nccl(folder: Path) -> None:
+def _as_nccl(record: dict) -> None:
     """Relabel gloo's entries ("gloo:all_reduce") as NCCL's, for an analyser that reads only
     NCCL's (torch 2.11's); the operations, ranks and stacks it matches stay as recorded."""
-    for path in folder.glob("rank_*"):
-        record = pickle.loads(path.read_bytes())
-        for entry in record["entries"]:
-            backend, _, op = entry["profiling_name"].partition(":")
-            if backend == "gloo":
-                entry["profiling_name"] = f"nccl:{op}"
-        path.write_bytes(pickle.dumps(record))
+    for entry in record["entries"]:
+        backend, _, op = entry["profiling_name"].partition(":")
+        if backend == "gloo":
+            entry["profiling_name"] = f"nccl:{op}"
 
 
 def _analyse(folder: Path, timeout_s: float) -> subprocess.CompletedProcess:
@@ -148,16 +155,21 @@ def _analyse(folder: Path, timeout_s: float) -> subprocess.CompletedProcess:
 
 def never_joined(folder: str | Path, timeout_s: float = 60.0) -> str:
     """PyTorch's analysis of the flight records in ``folder``: the collectives that not every
-    rank entered, which ranks are missing, and where the others called it."""
+    rank entered, which ranks are missing, and where the others called it. The records are
+    read, not changed: the analysis works on a copy."""
     folder = Path(folder)
     if not any(folder.glob("rank_*")):
         raise FileNotFoundError(f"no flight records (rank_<r>) in {folder}")
-    _name_groups(folder)
-    done, note = _analyse(folder, timeout_s), ""
-    if done.returncode != 0 and "name formatting error" in done.stderr:
-        _as_nccl(folder)  # an analyser older than gloo's records (torch 2.11)
-        done = _analyse(folder, timeout_s)
-        note = "(gloo's entries relabelled nccl: this torch's analyser reads only NCCL's)\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp)
+        for path in folder.glob("rank_*"):
+            shutil.copyfile(path, copy / path.name)
+        _rewrite(copy, _name_groups)
+        done, note = _analyse(copy, timeout_s), ""
+        if done.returncode != 0 and "name formatting error" in done.stderr:
+            _rewrite(copy, _as_nccl)  # an analyser older than gloo's records (torch 2.11)
+            done = _analyse(copy, timeout_s)
+            note = "(gloo's entries relabelled nccl: this torch's analyser reads only NCCL's)\n"
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"the flight-record analyser failed: {last}")
