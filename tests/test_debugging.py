@@ -77,7 +77,8 @@ def test_a_coloured_stack_dump_reads_as_plain_frames(tmp_path, monkeypatch):
 
     fake = tmp_path / "py-spy"  # a py-spy that colours its output even into a pipe
     fake.write_text("#!/bin/sh\nprintf 'Thread 7 (idle): \"MainThread\"\\n    "
-                    "\\033[32mall_reduce\\033[0m (\\033[36mc10d.py\\033[0m:\\033[2m30\\033[0m)\\n'\n")
+                    "\\033[32mall_reduce\\033[0m (\\033[36mc10d.py\\033[0m:"
+                    "\\033[2m30\\033[0m)\\n'\n")
     fake.chmod(0o755)
     monkeypatch.setattr(debugging, "py_spy", lambda: str(fake))
     assert debugging.main_thread(debugging.stack_dump(os.getpid())) == ["all_reduce (c10d.py:30)"]
