@@ -91,15 +91,18 @@ execute: $(SETUP)
 
 # The measurements a one-GPU machine cannot make, or not within a chapter's time: one command
 # per chapter writes its record under book/data (`make records RECORDS="05b 06"` for some).
-# Chapters 3, 3b, 4, 5, 5b, 6 and 7 need GPUS GPUs; 5d and 5e train on one GPU for longer, and
-# can be made in parts that add up to one record (`make records RECORDS=05e ONLY=0-2`, then 3-5).
+# Chapters 3, 3b, 4, 5, 5b (its scaling benchmark, and 05b-knobs: DDP's settings), 6 and 7 need
+# GPUS GPUs; 5d and 5e train on one GPU for longer, and can be made in parts that add up to one
+# record (`make records RECORDS=05e ONLY=0-2`, then 3-5).
 GPUS    ?= 2
-RECORDS ?= 03 03b 04 05 05b 06 07 05d 05e
+RECORDS_ALL = 03 03b 04 05 05b 05b-knobs 06 07 05d 05e
+RECORDS ?= $(RECORDS_ALL)
 REC_03  = tutorial_utils.bench.model_parallel --devices $(GPUS) --schedules
 REC_03b = tutorial_utils.bench.collectives --nproc $(GPUS)
 REC_04  = tutorial_utils.bench.data_parallel --gpus $(GPUS)
 REC_05  = tutorial_utils.bench.experiment --plan 05 --gpus $(GPUS) --data $(DATA)
 REC_05b = tutorial_utils.bench.scaling --gpus $(GPUS)
+REC_05b-knobs = tutorial_utils.bench.ddp_knobs --nproc $(GPUS)
 REC_06  = tutorial_utils.bench.sharding --nproc $(GPUS)
 REC_07  = tutorial_utils.bench.transformer --gpus $(GPUS)
 REC_05d = tutorial_utils.bench.experiment --plan 05d --data $(DATA) $(if $(ONLY),--only $(ONLY))
@@ -107,8 +110,8 @@ REC_05e = tutorial_utils.bench.experiment --plan 05e --data $(DATA) $(if $(ONLY)
 DATA    ?= $(or $(TUTORIAL_CIFAR10),auto)
 records: $(SETUP)
 	@$(NEED_GPU)
-	@for c in $(RECORDS); do case $$c in 03|03b|04|05|05b|06|07|05d|05e) ;; *) \
-	  echo "make records: no chapter $$c has a record; use some of: 03 03b 04 05 05b 06 07 05d 05e"; \
+	@for c in $(RECORDS); do case $$c in 03|03b|04|05|05b|05b-knobs|06|07|05d|05e) ;; *) \
+	  echo "make records: no chapter $$c has a record; use some of: $(RECORDS_ALL)"; \
 	  exit 2;; esac; done
 	$(foreach c,$(RECORDS),$(PY) -m $(REC_$(c)) --record &&) true
 

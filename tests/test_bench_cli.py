@@ -88,6 +88,14 @@ CASES = [
      "--device cpu"),
     ("scaling", "--gpus 4", 2, "--gpus 4: asked for 4 GPU(s) but this machine has 2; use --gpus 2"),
     ("scaling", "--gpus 2", 1, "this machine has 1; use a machine with 2 GPUs, or --device cpu"),
+    ("ddp_knobs", "--nproc 0", 0, "--nproc must be >= 1, got 0"),
+    ("ddp_knobs", "--batch 0", 0, "--batch must be >= 1, got 0"),
+    ("ddp_knobs", "--repeats 0", 0, "need --steps >= 1 and --repeats >= 1"),
+    ("ddp_knobs", "--buckets", 0, "--buckets: sizes in MiB, each > 0"),
+    ("ddp_knobs", "--buckets 0 25", 0, "--buckets: sizes in MiB, each > 0"),
+    ("ddp_knobs", "--buckets 5 5", 0, "--buckets names a size twice"),
+    ("ddp_knobs", "--buckets five", 0, "argument --buckets: invalid float value: 'five'"),
+    ("ddp_knobs", "--model resnet50", 0, "--model: a WRN name looks like 'wrn-28-10'"),
 ]
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from tutorial_utils.bench import sharding
-from tutorial_utils.bench.workers import fsdp_step
+from tutorial_utils.bench.workers import common, fsdp_step
 from tutorial_utils.config import ConfigError
 from tutorial_utils.jsonl import read_jsonl
 from tutorial_utils.launch import torchrun
@@ -78,7 +78,7 @@ def test_gpu_only_options_skip_clearly_on_cpu(tmp_path, capsys):
 
 def test_one_process_forms_a_group_of_one_so_that_fsdp2_wraps_the_model():
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    with fsdp_step.group_of_one(ctx):
+    with common.group_of_one(ctx):
         sharded = shard(wide_resnet("wrn-10-1"), ctx)
         assert all(isinstance(p, DTensor) for p in sharded.parameters())
     assert not torch.distributed.is_initialized()  # the group is gone again

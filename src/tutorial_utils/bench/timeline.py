@@ -25,6 +25,8 @@ HOST_OPS, LAUNCHES, GLOO = "host: PyTorch operators", "host: CUDA calls", "gloo 
 COMPUTE, NCCL, COPIES = "GPU: compute kernels", "GPU: NCCL kernels", "GPU: copies, memsets"
 COLOURS = {HOST_OPS: "0.6", LAUNCHES: "C1", GLOO: "C3", COMPUTE: "C0", NCCL: "C3", COPIES: "C2"}
 STEP = re.compile(r"^step \d+$")  # the worker's record_function around each profiled step
+# the backend's annotation of each collective it runs: "nccl:all_reduce", "gloo:broadcast"
+COLLECTIVE = re.compile(r"^(?:nccl|gloo):(all_reduce|broadcast)")
 # A thread the profiler names after the interpreter (python, python3, python3.12) has no
 # name of its own; a process's main thread (tid == pid) is labelled as such on any machine.
 INTERPRETER = re.compile(r"^python[\d.]*$")
@@ -42,7 +44,8 @@ def record(size: Workload, n: int, device: str, graphed: bool, trace: Path) -> d
 
 def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:
     """Profile ``steps`` calls of ``step`` on every rank (their collectives must match); GPU
-    milliseconds per step in kernels and in NCCL; a rank given ``trace`` writes the trace."""
+    milliseconds per step in kernels and in NCCL, and all-reduces (one per DDP bucket) and
+    broadcasts launched per step; a rank given ``trace`` writes the trace."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -65,8 +68,10 @@ def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5
     def per_step_ms(events) -> float:
         return sum(e.time_range.elapsed_us() for e in events) / steps / 1e3
 
+    calls = [m.group(1) for e in prof.events() if (m := COLLECTIVE.match(e.name))]
     return {"gpu_kernels_ms": per_step_ms(on_gpu) - per_step_ms(nccl),
-            "gpu_nccl_ms": per_step_ms(nccl)}
+            "gpu_nccl_ms": per_step_ms(nccl), "all_reduces": calls.count("all_reduce") / steps,
+            "broadcasts": calls.count("broadcast") / steps}
 
 
 def load(path: Path | str) -> list[dict]:

@@ -23,15 +23,12 @@ time (CUDA events, after warm-up), the host's time to queue one step, the peak m
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
@@ -41,9 +38,9 @@ from ...models import wide_resnet
 from ...parallel.distributed import DistContext, distributed
 from ...parallel.fsdp import compile_blocks_of, local_bytes, shard
 from ...step_graph import StepGraph
-from ...timing import benchmark, host_clock_without_sync, synchronize
 from ...trainer import forward_loss
 from ..timeline import profile_steps
+from .common import fresh_batches, group_of_one, time_steps
 
 MODES = ("ddp", "zero1", "zero2", "zero3", "zero3-blocks")
 Mode = Literal["ddp", "zero1", "zero2", "zero3", "zero3-blocks"]
@@ -122,31 +119,6 @@ def build(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig, graph
     return model, torch.optim.SGD(model.parameters(), **sgd)
 
 
-def fresh_batches(ctx: DistContext, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Forget the previous mode, then two random batches: each rank its own, the same per mode."""
-    dev = ctx.device
-    gc.collect()  # the previous mode's model may sit in a reference cycle
-    torch.compiler.reset()  # else each mode adds variants until the cache limit is hit
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(dev)
-    g = torch.Generator().manual_seed(1 + ctx.rank)
-    return [(torch.randn(batch, 3, 32, 32, generator=g).to(dev)
-             .to(memory_format=torch.channels_last),
-             torch.randint(0, 10, (batch,), generator=g).to(dev)) for _ in range(2)]
-
-
-def time_steps(step, ctx: DistContext, args: FsdpStepConfig) -> dict:
-    """The step's median time and spread, then the host's time to queue one step alone."""
-    dev = ctx.device
-    t = benchmark(step, warmup=5, repeats=args.repeats, device=dev)
-    synchronize(dev)  # the host clock below times the queueing of one step alone
-    host = host_clock_without_sync(step, repeats=5).median_ms
-    synchronize(dev)
-    return {"step_ms": t.median_ms, "step_spread": t.spread, "host_ms": host,
-            "images_per_s": args.batch * ctx.world_size / t.median_ms * 1e3}
-
-
 def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> dict:
     dev = ctx.device
     batches = fresh_batches(ctx, args.batch)
@@ -183,7 +155,7 @@ def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> 
             return record | {"fits": False}
         record |= {"fits": True, **local_bytes(model, optimizer)}
         if args.repeats:
-            record |= time_steps(step, ctx, args)
+            record |= time_steps(step, ctx, args.batch, args.repeats)
         if args.trace:  # every rank profiles (collectives must match), rank 0 writes
             args.trace.mkdir(parents=True, exist_ok=True)
             path = args.trace / f"{mode}-{variant}.json"
@@ -191,20 +163,6 @@ def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> 
     if dev.type == "cuda":
         record["peak_gib"] = torch.cuda.max_memory_allocated(dev) / 2**30
     return record
-
-
-@contextlib.contextmanager
-def group_of_one(ctx: DistContext):
-    """A process group for a single process, so that DDP and FSDP2 wrap the model there too."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("nccl" if ctx.device.type == "cuda" else "gloo",
-                            store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:

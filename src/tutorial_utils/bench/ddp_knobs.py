@@ -1,0 +1,159 @@
+"""Chapter 5b's DDP knobs: what each of DistributedDataParallel's settings does to one step.
+
+    python -m tutorial_utils.bench.ddp_knobs --nproc 1 --record   # one GPU: host work, memory
+    python -m tutorial_utils.bench.ddp_knobs --nproc 2 --record   # two GPUs: with the traffic
+
+One launch of :mod:`tutorial_utils.bench.workers.ddp_knobs` measures every setting in the same
+processes: DDP's defaults, ``bucket_cap_mb`` over a sweep, ``gradient_as_bucket_view``,
+``static_graph``, ``broadcast_buffers=False``, the three flags together, and the three ways
+``torch.compile`` meets DDP (a graph per bucket, one graph, compiled autograd). A group of one
+process measures what the settings cost the host and the memory, with nothing to send; two GPUs
+add the traffic, and whether backward hides it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Config, check, opt, parse_or_exit
+from ..devices import gpu_count
+from ..launch import torchrun
+from . import records
+from .report import Column, table
+from .workers.ddp_knobs import KnobsStepConfig
+
+WORKER = "tutorial_utils.bench.workers.ddp_knobs"
+# each setting's name in the chapter's glue ("defaults_ms", "view_x", "ca_graphs", ...)
+KEYS = {"defaults": "defaults", "gradient_as_bucket_view": "view", "static_graph": "static",
+        "broadcast_buffers=False": "nobcast", "all three": "three",
+        "compiled, a graph per bucket": "split", "compiled, one graph": "onegraph",
+        "compiled autograd": "ca"}
+
+
+def record_name(nproc: int) -> str:
+    """The record of a run on ``nproc`` GPUs."""
+    return f"05b-ddp-knobs-{nproc}gpu"
+
+
+@dataclass
+class KnobsConfig(Config):
+    """DDP's knobs, one setting at a time, on N processes: what each does to one step."""
+
+    nproc: int = opt(2, "processes (one per GPU when there are as many, else CPU processes)")
+    model: str = opt("wrn-28-10", "the network")
+    batch: int = opt(128, "images per process")
+    buckets: tuple[float, ...] = opt((1, 5, 25, 100, 200), "bucket_cap_mb values (MiB)")
+    compiled: bool = opt(True, "also the three ways torch.compile meets DDP")
+    repeats: int = opt(20, "timed steps per setting")
+    record: bool = opt(False, "write the result as the record 05b-ddp-knobs-<nproc>gpu")
+
+    def __post_init__(self) -> None:
+        check((self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}"))
+        self.worker()  # the worker's rules, checked before any launch
+
+    @property
+    def device(self) -> str:
+        return "cuda" if gpu_count() >= self.nproc else "cpu"
+
+    def worker(self, out: Path = Path("knobs.jsonl")) -> KnobsStepConfig:
+        return KnobsStepConfig(model=self.model, batch=self.batch, buckets=self.buckets,
+                               compiled=self.compiled, repeats=self.repeats, out=out)
+
+
+def run(cfg: KnobsConfig) -> list[dict]:
+    """Every setting, side by side in one launch of ``cfg.nproc`` processes: the worker's lines."""
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = dataclasses.replace(cfg.worker(Path(tmp) / "knobs.jsonl"), device=cfg.device)
+        return torchrun(WORKER, worker.to_argv(), nproc=cfg.nproc, timeout_s=1200,
+                        metrics_file=worker.out, echo=False).metrics
+
+
+def measured(cfg: KnobsConfig) -> tuple[list[dict], records.Source]:
+    """The rows for ``cfg.nproc`` processes: its record where there is one, else measured here."""
+    return records.read_or_measure(record_name(cfg.nproc), lambda: run(cfg), cfg)
+
+
+def _view(r: dict, defaults: dict) -> dict:
+    """A row as the tables show it (a setting this torch could not run says why)."""
+    if "failed" in r:
+        return r | {"in_graphs": f"failed: {r['failed']}"[:60]}
+    own = r["grad_storages"] == r["grad_tensors"]  # else views into DDP's bucket memory
+    in_graphs = (f"{r['graphs']} ({r['all_reduces_in_graphs']} all-reduces)"
+                 if r.get("compiled") else None)
+    return r | {"gradients": "  " + ("own tensors" if own else "in buckets"),
+                "in_graphs": in_graphs, "vs": defaults["step_ms"] / r["step_ms"]}
+
+
+WHAT_COLUMNS = (Column("setting", "setting", width=30, left=True),
+                Column("all_reduces", "all-reduces", ".0f", 12),
+                Column("broadcasts", "broadcasts", ".0f", 11),
+                Column("gradients", "  gradients", width=15, left=True),
+                Column("in_graphs", "graphs compiled", width=24, left=True, missing=""))
+COST_COLUMNS = (Column("setting", "setting", width=30, left=True),
+                Column("step_ms", "step ms", ".2f", 9), Column("host_ms", "host ms", ".2f", 9),
+                Column("exposed_ms", "comm alone ms", ".2f", 14),
+                Column("peak_gib", "peak GiB", ".2f", 9),
+                Column("vs", "vs defaults", ".2f", 12, unit="x"))
+
+
+def what_table(rows: list[dict]) -> str:
+    """Per setting, what runs in one step: collectives launched (per step), where the
+    gradients live, and for compiled settings the graphs and the all-reduces inside them."""
+    return table([_view(r, rows[0]) for r in rows], WHAT_COLUMNS)
+
+
+def cost_table(rows: list[dict]) -> str:
+    """Per setting: step and host times, communication with no compute beside it, peak memory,
+    and the defaults' step time over this one's (above 1: faster)."""
+    return table([_view(r, rows[0]) for r in rows], COST_COLUMNS)
+
+
+def key(setting: str) -> str:
+    """The glue name of a setting: ``KEYS``, or ``b<MiB>`` for ``bucket_cap_mb=<MiB>``."""
+    if setting.startswith("bucket_cap_mb="):
+        return "b" + setting.removeprefix("bucket_cap_mb=").replace(".", "_")
+    return KEYS[setting]
+
+
+def summary(rows: list[dict]) -> dict[str, float | str]:
+    """The chapter's glue: per setting its step time, its speed-up over the defaults, its
+    collectives; the fastest bucket size; the memory the bucket view saved; the graphs. A
+    setting that could not run has NaN numbers and its error as ``<key>_failed``."""
+    defaults, nan = rows[0], math.nan
+    out: dict[str, float | str] = {"world_size": defaults["world_size"],
+                                   "grad_mib": defaults["grad_mib"]}
+    for r in rows:
+        k = key(r["setting"])
+        out |= {f"{k}_ms": r.get("step_ms", nan),
+                f"{k}_x": defaults["step_ms"] / r.get("step_ms", nan),
+                f"{k}_reduces": r.get("all_reduces", nan), f"{k}_bcasts": r.get("broadcasts", nan),
+                f"{k}_peak": r.get("peak_gib", nan), f"{k}_failed": r.get("failed", "")}
+        if r.get("compiled"):
+            out |= {f"{k}_graphs": r.get("graphs", nan),
+                    f"{k}_in_graphs": r.get("all_reduces_in_graphs", nan)}
+    sweep = [r for r in rows if r["setting"].startswith("bucket_cap_mb=")]
+    fastest = min(sweep, key=lambda r: r["step_ms"])
+    view = next(r for r in rows if r["setting"] == "gradient_as_bucket_view")
+    out |= {"best_bucket": fastest["setting"].removeprefix("bucket_cap_mb="),
+            "best_bucket_x": defaults["step_ms"] / fastest["step_ms"],
+            "view_saved_gib": defaults.get("peak_gib", nan) - view.get("peak_gib", nan),
+            "loss_diff": max(abs(a - b) for r in rows if not r.get("compiled")
+                             for a, b in zip(defaults["losses"], r["losses"], strict=True))}
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_or_exit(KnobsConfig, argv, __spec__.name)
+    rows = run(cfg)
+    print(what_table(rows), cost_table(rows), sep="\n\n")
+    if cfg.record:
+        name = record_name(cfg.nproc)
+        print(f"wrote {records.write(name, cfg, rows, __spec__.name, [WORKER])}")
+
+
+if __name__ == "__main__":
+    main()
