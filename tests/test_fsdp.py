@@ -60,8 +60,8 @@ def test_sharded_modes_hold_half_the_state_per_rank(modes):
 
 def test_gpu_only_options_skip_clearly_on_cpu(tmp_path, capsys):
     out = tmp_path / "skip.jsonl"
-    fsdp_step.main(["--variants", "eager", "blocks", "graph", "--device", "cpu",
-                    "--modes", "ddp", "zero3", "--out", str(out)])
+    fsdp_step.main(["--model", "wrn-10-1", "--batch", "4", "--variants", "eager", "blocks",
+                    "graph", "--device", "cpu", "--modes", "ddp", "zero3", "--out", str(out)])
     assert "skipped: --fit-gib and the variants blocks, model, graph need CUDA GPUs" in \
         capsys.readouterr().out
     records = [json.loads(line) for line in out.read_text().splitlines()]
