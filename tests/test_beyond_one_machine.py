@@ -12,7 +12,7 @@ from tutorial_utils.multinode import launcher_command, simulate_nodes
 from tutorial_utils.trainer import CRASH_ENV
 
 TINY = ["--depth", "10", "--width", "1", "--batch", "64", "--data", "synthetic",
-        "--device", "cpu", "--precision", "fp32"]
+        "--limit-per-class", "100", "--device", "cpu", "--precision", "fp32"]
 
 
 def test_launcher_command_is_the_same_on_every_node():
@@ -36,17 +36,17 @@ def test_killed_worker_is_restarted_and_resumes_to_the_same_weights(tmp_path):
     straight, faulty = tmp_path / "straight", tmp_path / "faulty"
     torchrun("tutorial_utils.train", [*TINY, "--epochs", "2", "--out", str(straight)],
              nproc=2, timeout_s=300, echo=False)
-    # 5000 synthetic images / 64 per step = 78 steps per epoch: step 90 is inside epoch 2.
+    # 1000 synthetic images / 64 per step = 16 steps per epoch: step 20 is inside epoch 2.
     # Restarted workers must not share the rendezvous store of the failed attempt: gloo would
     # find the dead rank 0's address there and fail to connect (seen with torch 2.14).
     result = torchrun(
         "tutorial_utils.train",
         [*TINY, "--epochs", "2", "--out", str(faulty), "--resume"],
         nproc=2, timeout_s=300, torchrun_args=("--standalone", "--max-restarts=1"),
-        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", CRASH_ENV: "90"},
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", CRASH_ENV: "20"},
         metrics_file=faulty / "metrics.jsonl", echo=False,
     )
-    assert "simulated crash at step 90" in result.output
+    assert "simulated crash at step 20" in result.output
     starts = [m["start_epoch"] for m in result.metrics if m["event"] == "start"]
     assert starts == [0, 1], "the restarted job must resume after the last complete epoch"
     a = torch.load(straight / "checkpoint.pt", weights_only=True)["model"]

@@ -22,7 +22,7 @@ def test_two_process_training_run(tmp_path):
     result = torchrun(
         "tutorial_utils.train",
         ["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--data", "synthetic",
-         "--device", "cpu", "--precision", "fp32", "--out", str(out)],
+         "--limit-per-class", "50", "--device", "cpu", "--precision", "fp32", "--out", str(out)],
         nproc=2, timeout_s=300, metrics_file=out / "metrics.jsonl", echo=False,
     )
     start, epoch = result.metrics

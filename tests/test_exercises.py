@@ -137,7 +137,7 @@ def test_ch5e_a_longer_warm_up_at_the_largest_batch(tmp_path):
     assert lr_factor(cfg, 5 * steps, steps) == pytest.approx(1.0)  # the peak, then the decay
     assert cfg.peak_lr(1) == pytest.approx(0.8)
     small = dataclasses.replace(cfg, batch=256)  # the solution itself, small enough for a CPU
-    run = train(1, dataclasses.replace(small, epochs=2, warmup_epochs=1.5))
+    run = train(1, dataclasses.replace(small, epochs=2, warmup_epochs=1.5, limit_per_class=100))
     assert [e["epoch"] for e in run.epochs] == [1, 2] and run.start["peak_lr"] == 0.2
 
 

@@ -22,7 +22,8 @@ from tutorial_utils.train import TrainConfig  # noqa: E402
 
 def tiny(out, **kw):
     return TrainConfig(**{**dict(depth=10, width=1, batch=64, data="synthetic", device="cpu",
-                                 precision="fp32", epochs=2, checkpoint_every=0, out=out), **kw})
+                                 limit_per_class=50, precision="fp32", epochs=2,
+                                 checkpoint_every=0, out=out), **kw})
 
 
 def test_training_runs_are_launched_read_back_and_compared(tmp_path):
