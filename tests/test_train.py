@@ -484,3 +484,20 @@ def test_fp16_trains_with_a_gradient_scaler_and_resumes_it(tmp_path, monkeypatch
     state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
     assert state["scaler"]["scale"] > 1  # the loss was scaled before backward
     assert state["config"]["precision"] == "fp16"
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_trains_in_fp32(tmp_path, monkeypatch, capsys):
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(train_mod, "cpu_runs_bf16", lambda: False)
+    bf16 = tiny(tmp_path, precision="bf16", epochs=1)
+    assert train_mod.precision_here(bf16, cpu).precision == "fp32"
+    assert train_mod.precision_here(bf16, gpu).precision == "bf16"  # GPUs: their own check
+    assert train_mod.precision_here(tiny(tmp_path, precision="fp16"), cpu).precision == "fp16"
+    assert main(bf16.to_argv()) == 0
+    assert "training in fp32" in capsys.readouterr().err
+    from tutorial_utils.jsonl import read_jsonl
+
+    start = next(r for r in read_jsonl(bf16.out / "metrics.jsonl") if r["event"] == "start")
+    assert start["config"]["precision"] == "fp32"  # the stamp says what ran
+    monkeypatch.setattr(train_mod, "cpu_runs_bf16", lambda: True)
+    assert train_mod.precision_here(bf16, cpu).precision == "bf16"

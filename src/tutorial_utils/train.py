@@ -9,6 +9,7 @@ configuration and the environment stamp) and a checkpoint to ``<out>/checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -41,6 +42,25 @@ def _set_up_kernels(cfg: TrainConfig, ctx: DistContext) -> None:
     if cfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts
         torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def cpu_runs_bf16() -> bool:
+    """Whether this CPU has bf16 instructions (AVX512-BF16 or AMX); without them bf16
+    arithmetic is emulated."""
+    return any(getattr(torch.cpu, probe, lambda: False)()
+               for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def precision_here(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """``cfg`` with the precision this device can run: on a CPU without bf16 instructions, bf16
+    autocast is emulated and several times slower than fp32, so such a run is fp32 (and its
+    start record says so)."""
+    if device.type == "cpu" and cfg.precision == "bf16" and not cpu_runs_bf16():
+        if os.environ.get("RANK", "0") == "0":
+            print("--precision bf16: this CPU has no bf16 instructions (AVX512-BF16, AMX) and "
+                  "would emulate them; training in fp32", file=sys.stderr)
+        return dataclasses.replace(cfg, precision="fp32")
+    return cfg
 
 
 def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
@@ -115,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse(TrainConfig, argv, prog)
         with distributed(cfg.device) as ctx:
             cfg.batches(ctx.world_size)  # fail before loading anything
-            run(cfg, ctx)
+            run(precision_here(cfg, ctx.device), ctx)
     except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError, Diverged) as err:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike
             print(f"{prog}: error: {err}", file=sys.stderr)
