@@ -51,7 +51,7 @@ serve: book
 test: $(VENV)/.installed browser
 	$(PY) -m ruff check src tests tools
 	$(PY) -m pytest -q --durations=20 tests
-	TUTORIAL_PROFILE=smoke $(NBVAL) --nbval-cell-timeout=600 $(NB)
+	TUTORIAL_PROFILE=smoke $(NBVAL) --durations=10 --nbval-cell-timeout=600 $(NB)
 	$(PY) tools/nbtools.py check $(NB)
 	$(JB) build . --all --warningiserror --keep-going
 	$(CHECK_BOOK)
