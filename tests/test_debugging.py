@@ -92,3 +92,87 @@ def test_a_flight_record_needs_the_recorder_on(tmp_path, monkeypatch):
         write_flight_record(tmp_path, 0)
     with pytest.raises(FileNotFoundError, match="no flight records"):
         never_joined(tmp_path)
+
+
+def test_a_rank_still_importing_is_starting_not_stuck(tmp_path, monkeypatch):
+    import os
+
+    from tutorial_utils import debugging
+
+    # a py-spy whose first three dumps find the main thread compiling a module, then in a
+    # collective: only the later, standing-still stack is the stuck one
+    count = tmp_path / "count"
+    fake = tmp_path / "py-spy"
+    fake.write_text(f"""#!/bin/sh
+n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}
+echo 'Thread 7 (idle): "MainThread"'
+if [ "$n" -lt 3 ]; then
+  echo '    get_code (<frozen importlib._bootstrap_external>:1129)'
+  echo '    main (hang_demo.py:1)'
+else
+  echo '    all_reduce (c10d.py:30)'
+  echo '    main (hang_demo.py:73)'
+fi
+""")
+    fake.chmod(0o755)
+    monkeypatch.setattr(debugging, "py_spy", lambda: str(fake))
+    monkeypatch.setattr(debugging, "worker_ranks", lambda pid: {0: os.getpid()})
+    where = debugging.stuck_stacks(0, frames=2, wait_s=10, every_s=0.01)
+    assert where == {0: ["all_reduce (c10d.py:30)", "main (hang_demo.py:73)"]}
+
+
+# NCCL_DEBUG=INFO lines of a two-host job (2 GPUs each), as NCCL 2.28 writes them
+NCCL_LOG = """\
+h1:101:101 [0] NCCL INFO NCCL version 2.28.9+cuda13.0
+h1:101:101 [0] NCCL INFO Using network IB
+h1:101:101 [0] NCCL INFO comm 0x55d0 rank 0 nranks 4 cudaDev 0 nvmlDev 0 busId 18000 - Init START
+h1:102:102 [1] NCCL INFO comm 0x55e0 rank 1 nranks 4 cudaDev 1 nvmlDev 1 busId 2a000 - Init START
+h1:101:101 [0] NCCL INFO Channel 00/02 :    0   1   2   3
+h1:101:140 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+h1:101:140 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+h1:102:141 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [send] via NET/IB/0/GDRDMA
+h1:102:141 [1] NCCL INFO Channel 01/0 : 1[1] -> 2[0] [send] via NET/IB/0/GDRDMA
+h2:201:150 [0] NCCL INFO Channel 00/0 : 1[1] -> 2[0] [receive] via NET/IB/0/GDRDMA
+h2:201:150 [0] NCCL INFO Channel 00/0 : 2[0] -> 3[1] via SHM/direct/direct
+h1:101:101 [0] NCCL INFO comm 0x55d0 rank 0 nranks 4 cudaDev 0 busId 18000 - Init COMPLETE
+"""
+
+
+def test_nccl_links_names_each_pair_s_transport_and_channels():
+    from tutorial_utils.debugging import nccl_links
+
+    links = nccl_links(NCCL_LOG)
+    assert (links.version, links.network, links.ranks) == ("2.28.9+cuda13.0", "IB", 4)
+    assert links.links == {(0, 1): {"P2P/CUMEM/read": 2}, (1, 2): {"NET/IB/0/GDRDMA": 2},
+                           (2, 3): {"SHM/direct/direct": 1}}  # a send and its receive: 1 channel
+    assert links.lines()[1:] == ["rank 0 -> rank 1: P2P/CUMEM/read on 2 channels",
+                                 "rank 1 -> rank 2: NET/IB/0/GDRDMA on 2 channels",
+                                 "rank 2 -> rank 3: SHM/direct/direct on 1 channel"]
+
+
+def test_nccl_links_of_one_rank_and_of_no_nccl_log():
+    from tutorial_utils.debugging import nccl_links
+
+    one = nccl_links("\n".join(NCCL_LOG.splitlines()[:3]).replace("nranks 4", "nranks 1"))
+    assert one.ranks == 1 and one.links == {} and "no channel" in one.lines()[1]
+    with pytest.raises(ValueError, match="NCCL_DEBUG=INFO"):
+        nccl_links("[rank0]: gloo: connected to 127.0.0.1\n")
+
+
+@pytest.mark.gpu
+def test_nccl_links_of_a_ddp_job_on_this_machine_s_gpus(tmp_path):
+    import torch
+
+    from tutorial_utils.debugging import nccl_links
+
+    procs = min(torch.cuda.device_count(), 2)
+    logs = tmp_path / "nccl"
+    logs.mkdir()
+    torchrun("tutorial_utils.workers.ddp_minimal", ["--epochs", "1", "--out", str(tmp_path)],
+             nproc=procs, timeout_s=300, echo=False,
+             env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": f"{logs}/nccl.%h.%p.log"})
+    links = nccl_links("".join(p.read_text() for p in logs.iterdir()))
+    assert links.ranks == procs
+    assert bool(links.links) == (procs > 1)  # two GPUs: each direction of the pair has a link
+    if procs > 1:
+        assert {(0, 1), (1, 0)} <= set(links.links)

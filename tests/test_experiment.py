@@ -105,5 +105,6 @@ def test_a_target_is_met_by_the_mean_of_the_seeds_and_the_lowest_is_shown():
     assert summary["tta_910_epochs"] == 3 and summary["tta_910_acc"] == pytest.approx(91.0667)
     assert summary["tta_910_every"] == "not seed 1" and summary["tta_910_compile_s"] == 5.0
     assert summary["tta_920_status"] == "not reached by any schedule tried"
-    assert "mean of 3 seeds" in summary["tta_910_status"]
+    assert summary["tta_910_status"] == "the 3-epoch schedule, 30.0 s of training (mean of 3 seeds)"
+    assert summary["tta_900_status"] == "the 2-epoch schedule, 20.0 s of training (mean of 2 seeds)"
     assert "every seed" in text.splitlines()[0]

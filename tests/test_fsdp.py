@@ -106,6 +106,18 @@ def test_the_sharding_table_marks_each_modes_best_and_the_host_bound_rows():
     assert out["fsdp_over_ddp_512"] == pytest.approx(52 / 50)
     assert out["host_ddp_512"] == pytest.approx(20 / 50)
     assert sharding.batches(rows) == [128, 512]
+    assert out["compile_slower_128"] == "none"  # zero3's blocks beat its eager step
+
+
+def test_the_modes_that_compiling_made_slower_and_how_many_were_host_bound():
+    rows = [row("ddp", "eager", 14.0, 11.0), row("ddp", "blocks", 25.0, 28.0),
+            row("ddp", "model", 21.0, 24.0), row("ddp", "graph", 11.0, 0.2),
+            row("zero1", "eager", 24.0, 25.0), row("zero1", "model", 22.0, 26.0),
+            row("zero3", "eager", 30.0, 28.0), row("zero3", "blocks", 57.0, 42.0),
+            row("zero3", "model", 35.0, 40.0)]
+    out = sharding.summary(rows)
+    assert out["compile_slower_128"] == "ddp and zero3"  # zero1's model was faster than eager
+    assert out["compile_slower_rows_128"] == 4 and out["compile_slower_host_bound_128"] == 3
 
 
 def test_a_step_graph_is_measured_for_ddp_only():

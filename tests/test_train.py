@@ -2,7 +2,6 @@
 
 import dataclasses
 import re
-from unittest import mock
 
 import pytest
 import torch
@@ -218,9 +217,8 @@ def test_batch_scaling_and_lr():
 
 def error_of(capsys, *argv):
     capsys.readouterr()  # drop what earlier steps printed
-    try:  # on a CPU that runs bf16 as asked (without bf16 instructions a notice comes first)
-        with mock.patch.object(train_mod, "cpu_runs_bf16", lambda: True):
-            code = main(list(argv))
+    try:
+        code = main(list(argv))
     except SystemExit as exit_:  # argparse's own errors
         code = exit_.code
     assert code == 2
@@ -321,7 +319,8 @@ def test_limit_per_class_applies_to_synthetic_data_too(monkeypatch):
     ({"crop_pad": 2}, "crop_pad=4 (this run: 2)"),
     ({"precision": "bf16"}, "precision=fp32 (this run: bf16)"),
 ])
-def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path, change, named):
+def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path, change, named, monkeypatch):
+    monkeypatch.setattr(train_mod, "cpu_runs_bf16", lambda: True)  # bf16 runs as asked
     run(tiny(tmp_path, epochs=1), CPU)
     with pytest.raises(CheckpointError, match=re.escape(named)):
         run(tiny(tmp_path, epochs=1, resume=True, **change), CPU)

@@ -13,6 +13,11 @@ group's timeout, chapter 6). Two views say more:
   ring buffer. :func:`write_flight_record` writes a rank's buffer to a file, and
   :func:`never_joined` runs PyTorch's analyser (``torch.distributed.flight_recorder``) on the
   files of all ranks, which names the collective that not every rank entered.
+
+And one view of a job that runs, but slower than it should: NCCL's own log
+(``NCCL_DEBUG=INFO``) says, for each pair of ranks, which transport it chose (``P2P`` between
+GPUs, ``SHM`` through host memory, ``NET/...`` over a network) and on how many channels;
+:func:`nccl_links` reads that out of the log.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from .launch import descendants
@@ -82,15 +88,22 @@ def main_thread(dump: str, frames: int = 3) -> list[str]:
     return out[:frames]
 
 
+def starting(dump: str) -> bool:
+    """Whether the main thread of a ``py-spy dump`` is inside an import: a process that is
+    still starting (a large module can take seconds to compile), not one that is stuck."""
+    return any("<frozen importlib" in frame for frame in main_thread(dump, frames=10_000))
+
+
 def stuck_stacks(torchrun_pid: int, frames: int = 3, wait_s: float = 60.0,
                  every_s: float = 1.0) -> dict[int, list[str]]:
     """{rank: innermost ``frames`` frames of its main thread}, once two rounds of dumps
-    ``every_s`` apart agree for every rank: a job that is stuck, not one that is busy."""
+    ``every_s`` apart agree for every rank and no rank is still importing: a job that is
+    stuck, not one that is busy or starting."""
     deadline, last = time.monotonic() + wait_s, None
     while time.monotonic() < deadline:
-        now = {rank: main_thread(stack_dump(pid), frames)
-               for rank, pid in sorted(worker_ranks(torchrun_pid).items())}
-        if now and now == last and all(now.values()):
+        dumps = {rank: stack_dump(pid) for rank, pid in sorted(worker_ranks(torchrun_pid).items())}
+        now = {rank: main_thread(dump, frames) for rank, dump in dumps.items()}
+        if now and now == last and all(now.values()) and not any(map(starting, dumps.values())):
             return now
         last = now
         time.sleep(every_s)
@@ -174,3 +187,51 @@ def never_joined(folder: str | Path, timeout_s: float = 60.0) -> str:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise RuntimeError(f"the flight-record analyser failed: {last}")
     return note + (done.stdout + done.stderr).strip()  # it reports through logging, on stderr
+
+
+# NCCL_DEBUG=INFO lines (NCCL 2.19-2.28), after a "host:pid:tid [device] NCCL INFO " prefix:
+#   NCCL version 2.28.9+cuda13.0
+#   Using network Socket
+#   comm 0x55d0 rank 0 nranks 2 cudaDev 0 nvmlDev 0 busId 18000 commId 0x9f1e - Init START
+#   Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read          (also SHM/direct/direct, and
+#   Channel 02/0 : 1[1] -> 0[0] [receive] via NET/IB/0/GDRDMA   NET/... with [send]/[receive])
+_NCCL_VERSION = re.compile(r"NCCL INFO NCCL version (\S+)")
+_NCCL_NETWORK = re.compile(r"NCCL INFO Using network (\S+)")
+_NCCL_RANKS = re.compile(r"NCCL INFO comm \S+ rank \d+ nranks (\d+)")
+_NCCL_CHANNEL = re.compile(r"NCCL INFO Channel (\d+)(?:/\d+)? : (\d+)\[\w+\] -> (\d+)\[\w+\]"
+                           r"(?: \[(?:send|receive)\])? via (\S+)")
+
+
+@dataclass
+class NcclLinks:
+    """What ``NCCL_DEBUG=INFO`` says about how a job's ranks were connected."""
+
+    version: str
+    network: str  # the network NCCL would use between hosts
+    ranks: int
+    links: dict[tuple[int, int], dict[str, int]]  # (from rank, to rank) -> {transport: channels}
+
+    def lines(self) -> list[str]:
+        head = (f"NCCL {self.version}, {self.ranks} rank(s); network between hosts: "
+                f"{self.network}")
+        if not self.links:
+            return [head, "no channel: a single rank sends nothing to anyone"]
+        return [head] + [f"rank {a} -> rank {b}: " + ", ".join(
+            f"{transport} on {n} channel{'s' * (n > 1)}" for transport, n in sorted(by.items()))
+            for (a, b), by in sorted(self.links.items())]
+
+
+def nccl_links(log: str) -> NcclLinks:
+    """Read NCCL's version, network, number of ranks and the transport of each pair of ranks
+    out of the ``NCCL_DEBUG=INFO`` log of a job (all ranks' lines, in any order)."""
+    version, network = _NCCL_VERSION.search(log), _NCCL_NETWORK.search(log)
+    ranks = [int(n) for n in _NCCL_RANKS.findall(log)]
+    if version is None or not ranks:
+        raise ValueError("no NCCL_DEBUG=INFO lines in this log: run the job on GPUs (NCCL) "
+                         "with NCCL_DEBUG=INFO in its environment")
+    channels: dict[tuple[int, int], dict[str, set[int]]] = {}
+    for channel, src, dst, transport in _NCCL_CHANNEL.findall(log):
+        pair = channels.setdefault((int(src), int(dst)), {})
+        pair.setdefault(transport, set()).add(int(channel))
+    return NcclLinks(version.group(1), network.group(1) if network else "none", max(ranks),
+                     {pair: {t: len(c) for t, c in by.items()} for pair, by in channels.items()})

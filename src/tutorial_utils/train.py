@@ -56,15 +56,13 @@ def precision_here(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     autocast is emulated and several times slower than fp32, so such a run is fp32 (and its
     start record says so)."""
     if device.type == "cpu" and cfg.precision == "bf16" and not cpu_runs_bf16():
-        if os.environ.get("RANK", "0") == "0":
-            print("--precision bf16: this CPU has no bf16 instructions (AVX512-BF16, AMX) and "
-                  "would emulate them; training in fp32", file=sys.stderr)
         return dataclasses.replace(cfg, precision="fp32")
     return cfg
 
 
 def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     """Train; return the per-epoch records (rank 0 also writes them to metrics.jsonl)."""
+    asked, cfg = cfg, precision_here(cfg, ctx.device)
     _set_up_kernels(cfg, ctx)
     data = _load_data(cfg, ctx)
     trainer = Trainer(cfg, ctx, data)
@@ -73,6 +71,9 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     elif cfg.resume and ctx.is_main:  # a first attempt, or a mistyped --out: say which it is
         print(f"--resume: no {trainer.checkpoint_path} yet; training from epoch 1",
               file=sys.stderr)
+    if cfg.precision != asked.precision and ctx.is_main:  # said once the run is sure to start
+        print(f"--precision {asked.precision}: this CPU has no bf16 instructions (AVX512-BF16, "
+              f"AMX) and would emulate them; training in {cfg.precision}", file=sys.stderr)
     with trainer.graph:  # a recorded graph is released before the process group goes
         return _train(cfg, ctx, data, trainer)
 
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = parse(TrainConfig, argv, prog)
         with distributed(cfg.device) as ctx:
             cfg.batches(ctx.world_size)  # fail before loading anything
-            run(precision_here(cfg, ctx.device), ctx)
+            run(cfg, ctx)
     except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError, Diverged) as err:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike
             print(f"{prog}: error: {err}", file=sys.stderr)

@@ -166,22 +166,22 @@ def targets_table(runs: list[TrainingRun], targets: tuple[float, ...]) -> tuple[
         key = f"tta_{round(t * 1000)}"  # 0.91 -> tta_910
         row = {"target": f"{t:.1%}", "run": "not reached", "seeds": 0, "train": math.nan,
                "compile": math.nan, "acc": math.nan, "lowest": math.nan, "every": "-"}
+        epochs, status = math.nan, "not reached by any schedule tried"
         if best:
-            low = min(best, key=lambda r: r.final_acc)
+            epochs, low = len(best[0].epochs), min(best, key=lambda r: r.final_acc)
             missed = [r.start["config"]["seed"] for r in best if r.final_acc < t]
-            row |= {"run": f"{len(best[0].epochs)} epochs", "seeds": len(best),
+            row |= {"run": f"{epochs} epochs", "seeds": len(best),
                     "train": statistics.mean(r.train_s for r in best),
                     "compile": statistics.mean(r.compile_s for r in best),
                     "acc": statistics.mean(r.final_acc for r in best), "lowest": low.final_acc,
                     "every": "yes" if not missed else "not seed " + ", ".join(map(str, missed))}
+            seeds = f"mean of {len(best)} seeds" if len(best) > 1 else "one seed"
+            status = f"the {epochs}-epoch schedule, {row['train']:.1f} s of training ({seeds})"
         rows.append(row)
-        seeds = f"mean of {row['seeds']} seeds" if row["seeds"] > 1 else "one seed"
-        status = (f"{row['train']:.1f} s, the {row['run']} schedule ({seeds})" if best
-                  else "not reached by any schedule tried")
         summary |= {f"{key}_s": row["train"], f"{key}_compile_s": row["compile"],
-                    f"{key}_epochs": len(best[0].epochs) if best else math.nan,
-                    f"{key}_acc": row["acc"] * 100, f"{key}_lowest": row["lowest"] * 100,
-                    f"{key}_every": row["every"], f"{key}_status": status}
+                    f"{key}_epochs": epochs, f"{key}_acc": row["acc"] * 100,
+                    f"{key}_lowest": row["lowest"] * 100, f"{key}_every": row["every"],
+                    f"{key}_status": status}
     cols = (Column("target", "target", width=8, left=True),
             Column("run", "shortest schedule", width=18, left=True),
             Column("seeds", "seeds", "d", 6),

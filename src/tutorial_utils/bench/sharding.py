@@ -161,6 +161,20 @@ def fit_lines(rows: list[dict]) -> list[str]:
     return out
 
 
+COMPILED = ("blocks", "model")
+
+
+def compile_slower(rows: list[dict], batch: int) -> list[dict]:
+    """The compiled rows at ``batch`` of the modes whose every compiled variant stepped slower
+    than the mode's eager step."""
+    here = _modes(rows, batch)
+    eager = {r["mode"]: r["step_ms"] for r in here if r["variant"] == "eager"}
+    compiled = [r for r in here if r["variant"] in COMPILED and r["mode"] in eager]
+    slower = {m for m in eager if any(r["mode"] == m for r in compiled)
+              and all(r["step_ms"] > eager[m] for r in compiled if r["mode"] == m)}
+    return [r for r in compiled if r["mode"] in slower]
+
+
 def summary(rows: list[dict]) -> dict[str, float | str]:
     """Chapter 6's glue: the state per mode, the losses' spread, and at each batch DDP's and
     FSDP2's best variant, their ratio and how much of DDP's eager step the host took."""
@@ -176,6 +190,13 @@ def summary(rows: list[dict]) -> dict[str, float | str]:
         here = _modes(rows, batch)
         eager = {r["mode"]: r for r in here if r["variant"] == "eager"}
         top_ddp, top_fsdp = best(here, ("ddp",)), best(here, SHARDED)
+        slower = compile_slower(rows, batch)
+        names = list(dict.fromkeys(r["mode"] for r in slower))
+        out |= {f"compile_slower_{batch}": (", ".join(names[:-1]) + " and " + names[-1]
+                                            if len(names) > 1 else "".join(names) or "none"),
+                f"compile_slower_rows_{batch}": len(slower),
+                f"compile_slower_host_bound_{batch}": sum(
+                    r["host_ms"] >= HOST_BOUND * r["step_ms"] for r in slower)}
         out |= {f"host_ddp_{batch}": eager["ddp"]["host_ms"] / eager["ddp"]["step_ms"],
                 f"eager_ddp_{batch}": eager["ddp"]["step_ms"],
                 f"eager_zero3_{batch}": eager.get("zero3", {}).get("step_ms", math.nan),
