@@ -48,10 +48,16 @@ book: $(VENV)/.installed
 serve: book
 	$(PY) -m http.server --directory _build/html 8000
 
+# The tests and the notebooks run in TEST_WORKERS processes (pytest-xdist), a file's tests (a
+# notebook's cells) together in one of them: most tests wait on processes they start, so two
+# overlap well even on two cores.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: $(VENV)/.installed browser
 	$(PY) -m ruff check src tests tools
-	$(PY) -m pytest -q --durations=20 tests
-	TUTORIAL_PROFILE=smoke $(NBVAL) --durations=10 --nbval-cell-timeout=600 $(NB)
+	$(PY) -m pytest -q $(XDIST) --durations=20 tests
+	TUTORIAL_PROFILE=smoke $(NBVAL) $(XDIST) --durations=10 --nbval-cell-timeout=600 $(NB)
 	$(PY) tools/nbtools.py check $(NB)
 	$(JB) build . --all --warningiserror --keep-going
 	$(CHECK_BOOK)
