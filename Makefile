@@ -98,10 +98,10 @@ execute: $(SETUP)
 # The measurements a one-GPU machine cannot make, or not within a chapter's time: one command
 # per chapter writes its record under book/data (`make records RECORDS="05b 06"` for some).
 # Chapters 3, 3b, 4, 5, 5b (its scaling benchmark, and 05b-knobs: DDP's settings), 6 and 7 need
-# GPUS GPUs; 5d and 5e train on one GPU for longer, and can be made in parts that add up to one
-# record (`make records RECORDS=05e ONLY=0-2`, then 3-5).
+# GPUS GPUs; 5d, 5e and 5e-bn train on one GPU for longer, and can be made in parts that add up
+# to one record (`make records RECORDS=05e ONLY=0-2`, then 3-5).
 GPUS    ?= 2
-RECORDS_ALL = 03 03b 04 05 05b 05b-knobs 06 07 05d 05e
+RECORDS_ALL = 03 03b 04 05 05b 05b-knobs 06 07 05d 05e 05e-bn
 RECORDS ?= $(RECORDS_ALL)
 REC_03  = tutorial_utils.bench.model_parallel --devices $(GPUS) --schedules
 REC_03b = tutorial_utils.bench.collectives --nproc $(GPUS)
@@ -113,10 +113,12 @@ REC_06  = tutorial_utils.bench.sharding --nproc $(GPUS)
 REC_07  = tutorial_utils.bench.transformer --gpus $(GPUS)
 REC_05d = tutorial_utils.bench.experiment --plan 05d --data $(DATA) $(if $(ONLY),--only $(ONLY))
 REC_05e = tutorial_utils.bench.experiment --plan 05e --data $(DATA) $(if $(ONLY),--only $(ONLY))
+REC_05e-bn = tutorial_utils.bench.experiment --plan 05e-bn --data $(DATA) \
+	$(if $(ONLY),--only $(ONLY))
 DATA    ?= $(or $(TUTORIAL_CIFAR10),auto)
 records: $(SETUP)
 	@$(NEED_GPU)
-	@for c in $(RECORDS); do case $$c in 03|03b|04|05|05b|05b-knobs|06|07|05d|05e) ;; *) \
+	@for c in $(RECORDS); do case $$c in 03|03b|04|05|05b|05b-knobs|06|07|05d|05e|05e-bn) ;; *) \
 	  echo "make records: no chapter $$c has a record; use some of: $(RECORDS_ALL)"; \
 	  exit 2;; esac; done
 	$(foreach c,$(RECORDS),$(PY) -m $(REC_$(c)) --record &&) true

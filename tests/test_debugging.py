@@ -154,7 +154,7 @@ def test_nccl_links_of_one_rank_and_of_no_nccl_log():
     from tutorial_utils.debugging import nccl_links
 
     one = nccl_links("\n".join(NCCL_LOG.splitlines()[:3]).replace("nranks 4", "nranks 1"))
-    assert one.ranks == 1 and one.links == {} and "no channel" in one.lines()[1]
+    assert one.ranks == 1 and one.links == {} and "no connection" in one.lines()[1]
     with pytest.raises(ValueError, match="NCCL_DEBUG=INFO"):
         nccl_links("[rank0]: gloo: connected to 127.0.0.1\n")
 

@@ -8,6 +8,7 @@ import pytest
 matplotlib.use("Agg")
 
 from tutorial_utils.bench.experiment import (  # noqa: E402
+    batchnorm_table,
     plan,
     plot_curves,
     runs_table,
@@ -108,3 +109,21 @@ def test_a_target_is_met_by_the_mean_of_the_seeds_and_the_lowest_is_shown():
     assert summary["tta_910_status"] == "the 3-epoch schedule, 30.0 s of training (mean of 3 seeds)"
     assert summary["tta_900_status"] == "the 2-epoch schedule, 20.0 s of training (mean of 2 seeds)"
     assert "every seed" in text.splitlines()[0]
+
+
+def test_batchnorm_groups_are_compared_with_the_whole_batch_seed_by_seed():
+    def bn_run(group, acc, seed):
+        run = run_of([0.5, acc], seed=seed)
+        run.start |= {"per_gpu_batch": 128, "config": run.start["config"] | {"ghost_bn": group}}
+        return run
+
+    runs = [bn_run(None, 0.90, 0), bn_run(None, 0.92, 1), bn_run(4, 0.86, 0),
+            bn_run(4, 0.88, 1), bn_run(32, 0.91, 0)]
+    text, summary = batchnorm_table(runs)
+    assert summary["bn_whole"] == 128 and summary["bn_whole_acc"] == pytest.approx(91.0)
+    assert summary["bn_smallest"] == 4 and summary["bn_smallest_gpus"] == 32
+    assert summary["bn_4_acc"] == pytest.approx(87.0) and summary["bn_4_lowest"] == 86.0
+    assert summary["bn_smallest_drop"] == pytest.approx(4.0)
+    assert summary["bn_seeds"] == 1  # the fewest seeds any group has
+    head, *lines = text.splitlines()
+    assert "as on GPUs" in head and [int(line.split()[0]) for line in lines] == [128, 32, 4]

@@ -249,6 +249,12 @@ def error_of(capsys, *argv):
          "--grad-accum 3 does not divide the batch of 64 per process"),
         (["--grad-accum", "2", "--step-graph"], "use it with --grad-accum 1"),
         (["--clip-norm", "0"], "--clip-norm must be a number > 0, got 0.0"),
+        (["--ghost-bn", "1"], "--ghost-bn must be >= 2 (a variance needs two images), got 1"),
+        (["--ghost-bn", "4", "--sync-bn"], "--ghost-bn and --sync-bn ask for opposite"),
+        (["--ghost-bn", "48", "--batch", "128", "--device", "cpu", "--data", "synthetic"],
+         "--ghost-bn 48 must divide the 128 images each process normalises at once"),
+        (["--ghost-bn", "12", "--grad-accum", "4", "--batch", "128", "--device", "cpu",
+          "--data", "synthetic"], "--ghost-bn 12 must divide the 32 images each process"),
         (["--clip-norm", "nan"], "--clip-norm must be a number > 0, got nan"),
         (["--device", "cpu", "--depth", "10", "--width", "1", "--batch", "1024"],
          "--batch 1024 needs 1024 images per process and step, but each of the 1 processes "
@@ -331,7 +337,7 @@ def test_a_checkpoint_older_than_the_newer_options_resumes(tmp_path):
     run(cfg, CPU)
     state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
     old = {k: v for k, v in state["config"].items()
-           if k not in ("grad_accum", "clip_norm", "sync_bn", "precision")}
+           if k not in ("grad_accum", "clip_norm", "sync_bn", "ghost_bn", "precision")}
     save_checkpoint(cfg.out / "checkpoint.pt", state | {"config": old | {"bf16": False}})
     run(tiny(tmp_path, epochs=1, resume=True), CPU)  # fp32, one micro-batch: what it trained
     save_checkpoint(cfg.out / "checkpoint.pt", state | {"config": old | {"bf16": True}})
@@ -463,6 +469,9 @@ def test_accumulation_under_ddp_and_clipping_under_fsdp2(tmp_path):
     assert r["norm_fsdp"] == pytest.approx(r["norm_reference"], rel=1e-5)
     assert r["clipped_norm"] == pytest.approx(0.01, rel=1e-4)
     assert r["sync_bn_error"].startswith("--sync-bn needs a GPU per process")
+    # BatchNorm over groups of 8 on one process trains as DDP with 8 images per rank does
+    assert r["ghost_weights_diff"] < 1e-5 and r["ghost_stats_diff"] < 1e-5
+    assert r["whole_weights_diff"] > 1e-3  # and not as BatchNorm over the whole batch
 
 
 @pytest.mark.multigpu

@@ -38,3 +38,42 @@ def test_bad_shapes_are_clear_errors(kwargs, message):
 def test_bad_name():
     with pytest.raises(ValueError, match="looks like 'wrn-28-10'"):
         wide_resnet("resnet50")
+
+
+def test_ghost_batchnorm_normalises_each_group_by_its_own_statistics():
+    from torch import nn
+
+    from tutorial_utils.models import GhostBatchNorm2d
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, 5, 5).to(memory_format=torch.channels_last) * 3 + 1
+    ghost, plain = GhostBatchNorm2d(8, 4), nn.BatchNorm2d(8)
+    with torch.no_grad():
+        ghost.weight.uniform_(), ghost.bias.uniform_()
+        plain.load_state_dict(ghost.state_dict(), strict=False)
+    groups = [x[i:i + 4] for i in range(0, 16, 4)]
+    expected = torch.cat([nn.functional.batch_norm(
+        g, None, None, ghost.weight, ghost.bias, training=True) for g in groups])
+    torch.testing.assert_close(ghost(x), expected, atol=1e-5, rtol=1e-5)
+    whole = nn.functional.batch_norm(x, None, None, ghost.weight, ghost.bias, training=True)
+    assert not torch.allclose(expected, whole, atol=1e-3)  # not the whole batch's statistics
+    plain(groups[0])  # the running statistics: the first group's, as nn.BatchNorm2d keeps them
+    torch.testing.assert_close(ghost.running_mean, plain.running_mean)
+    torch.testing.assert_close(ghost.running_var, plain.running_var)
+    ghost.eval(), plain.eval()
+    torch.testing.assert_close(ghost(x), plain(x))  # evaluation: the running statistics
+
+
+def test_ghost_batchnorm_keeps_the_weights_and_refuses_a_batch_it_cannot_split():
+    from tutorial_utils.models import GhostBatchNorm2d, ghost_batchnorm
+
+    net = WideResNet(depth=10, width=1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    ghost_batchnorm(net, 4)
+    kinds = [type(m) for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert kinds and set(kinds) == {GhostBatchNorm2d}
+    assert all(torch.equal(before[k], v) for k, v in net.state_dict().items())
+    with pytest.raises(ValueError, match="a batch of 6 images does not split into groups of 4"):
+        net(torch.randn(6, 3, 32, 32))
+    with pytest.raises(ValueError, match="at least two images"):
+        GhostBatchNorm2d(8, 1)

@@ -211,6 +211,9 @@ class TrainConfig(Config):
                                   "the all-reduce (the same on every rank)")
     sync_bn: bool = opt(False, "SyncBatchNorm: BatchNorm statistics over every process's "
                         "batch, not each process's own")
+    ghost_bn: int | None = opt(None, "BatchNorm statistics over groups of this many images of "
+                               "each batch: what that many images per GPU give without "
+                               "--sync-bn, shown on one GPU")
     compile: Literal["none", "default", "reduce-overhead"] = opt("none", "torch.compile mode")
     step_graph: bool = opt(False, "record forward and backward, all-reduces included, as one "
                            "CUDA graph replayed every step; with --compile default or none")
@@ -249,6 +252,11 @@ class TrainConfig(Config):
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
             (self.clip_norm is None or (math.isfinite(self.clip_norm) and self.clip_norm > 0),
              f"--clip-norm must be a number > 0, got {self.clip_norm}"),
+            (self.ghost_bn is None or self.ghost_bn >= 2,
+             f"--ghost-bn must be >= 2 (a variance needs two images), got {self.ghost_bn}"),
+            (not (self.ghost_bn and self.sync_bn),
+             "--ghost-bn and --sync-bn ask for opposite statistics (fewer images, more): "
+             "choose one"),
             (not (self.step_graph and self.precision == "fp16"),
              "--step-graph cannot record fp16's gradient scaler, which reads the gradients on "
              "the host: use --precision bf16 or fp32 with it"),
@@ -277,7 +285,7 @@ class TrainConfig(Config):
 
 
 # Options added after runs were recorded: an older checkpoint or record trained with these values.
-ADDED_LATER = {"grad_accum": 1, "clip_norm": None, "sync_bn": False}
+ADDED_LATER = {"grad_accum": 1, "clip_norm": None, "sync_bn": False, "ghost_bn": None}
 
 
 def saved_train_config(saved: dict[str, Any]) -> dict[str, Any]:

@@ -215,7 +215,7 @@ class NcclLinks:
         head = (f"NCCL {self.version}, {self.ranks} rank(s); network between hosts: "
                 f"{self.network}")
         if not self.links:
-            return [head, "no channel: a single rank sends nothing to anyone"]
+            return [head, "no connection: a single rank has no other rank to send to"]
         return [head] + [f"rank {a} -> rank {b}: " + ", ".join(
             f"{transport} on {n} channel{'s' * (n > 1)}" for transport, n in sorted(by.items()))
             for (a, b), by in sorted(self.links.items())]

@@ -24,7 +24,7 @@ from . import checkpoint as ckpt
 from .config import ConfigError, TrainConfig, saved_train_config, to_dict
 from .data import Cifar10
 from .loaders import DeviceLoader, dataloader, normalize
-from .models import WideResNet
+from .models import WideResNet, ghost_batchnorm
 from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
 from .step_graph import StepGraph
@@ -38,7 +38,8 @@ CRASH_ENV = "TUTORIAL_CRASH_AT_STEP"  # fault injection for chapter 6's demo, no
 # may change them, and each attempt's start record in metrics.jsonl says what it used.
 RESUME_MUST_MATCH = ("depth", "width", "dropout", "batch", "scaling", "seed", "epochs",
                      "schedule", "warmup_epochs", "lr", "weight_decay", "label_smoothing",
-                     "crop_pad", "precision", "loader", "grad_accum", "clip_norm", "sync_bn")
+                     "crop_pad", "precision", "loader", "grad_accum", "clip_norm", "sync_bn",
+                     "ghost_bn")
 
 
 class Diverged(RuntimeError):
@@ -138,6 +139,13 @@ class Trainer:
                 raise ConfigError("--sync-bn needs a GPU per process: PyTorch's SyncBatchNorm "
                                   "does not run on CPU processes; leave it out there")
             self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
+        if cfg.ghost_bn:  # statistics over groups of each micro-batch, as on more GPUs
+            micro = self.per_gpu // cfg.grad_accum
+            if micro % cfg.ghost_bn:
+                raise ConfigError(f"--ghost-bn {cfg.ghost_bn} must divide the {micro} images "
+                                  "each process normalises at once; use a divisor of "
+                                  f"{micro}")
+            self.net = ghost_batchnorm(self.net, cfg.ghost_bn)
         self.net.to(ctx.device, memory_format=torch.channels_last)
         # With --step-graph, warm_up() records forward and backward into one CUDA graph;
         # DDP must be built on the stream that records it.

@@ -8,7 +8,11 @@ Rank 0 writes one JSON line to the path given as the only argument:
 - ``norm_fsdp``, ``norm_reference``: the global gradient norm ``clip_grad_norm_`` found on
   FSDP2's sharded (DTensor) gradients and on one process's; ``clipped_norm``: the norm of the
   gathered gradients after clipping to 0.01;
-- ``sync_bn_error``: what a 2-process ``Trainer`` on the CPU says to ``--sync-bn``.
+- ``sync_bn_error``: what a 2-process ``Trainer`` on the CPU says to ``--sync-bn``;
+- ``ghost_weights_diff``, ``ghost_stats_diff``: after three SGD steps, how far one process with
+  ``GhostBatchNorm2d`` over groups of 8 of 16 images is from DDP with plain BatchNorm on 8 images
+  per rank (weights; rank 0's running statistics); ``whole_weights_diff``: how far plain
+  BatchNorm over all 16 is from that DDP run.
 """
 
 import copy
@@ -25,6 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from tutorial_utils.config import ConfigError, TrainConfig
 from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.jsonl import write_jsonl
+from tutorial_utils.models import ghost_batchnorm
 from tutorial_utils.parallel.ddp import ddp
 from tutorial_utils.parallel.distributed import distributed
 from tutorial_utils.trainer import Trainer, accumulate
@@ -42,6 +47,28 @@ def ddp_accumulated(ctx, x, y, k):
                                                           allreduce_hook(state, bucket))[1])
     accumulate(model, x, y, k, "fp32")
     return [p.grad for p in model.parameters()], len(calls)
+
+
+def bn_net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 6 * 6, 10))
+
+
+def three_steps(model, x, y):
+    """The state after three SGD steps on (x, y): weights, then buffers."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    net = getattr(model, "module", model)
+    stats = [b for b in net.buffers() if b.is_floating_point()]
+    return [p.detach() for p in net.parameters()], stats
+
+
+def largest_diff(a, b):
+    return max(float((p - q).abs().max()) for p, q in zip(a, b, strict=True))
 
 
 with distributed("cpu") as ctx:
@@ -68,8 +95,16 @@ with distributed("cpu") as ctx:
         sync_bn_error = ""
     except ConfigError as err:
         sync_bn_error = str(err)
+    ddp_weights, ddp_stats = three_steps(ddp(bn_net(), ctx), x[mine], y[mine])
+    ghost_weights, ghost_stats = three_steps(ghost_batchnorm(bn_net(), 8), x, y)
+    whole_weights, _ = three_steps(bn_net(), x, y)
     if ctx.is_main:
         write_jsonl(Path(sys.argv[1]), [{"accum_diff": accum_diff, "buckets_k1": k1,
                                          "buckets_k4": k4, "norm_fsdp": norm,
                                          "norm_reference": ref_norm, "clipped_norm": clipped,
-                                         "sync_bn_error": sync_bn_error}])
+                                         "sync_bn_error": sync_bn_error,
+                                         "ghost_weights_diff": largest_diff(ghost_weights,
+                                                                            ddp_weights),
+                                         "ghost_stats_diff": largest_diff(ghost_stats, ddp_stats),
+                                         "whole_weights_diff": largest_diff(whole_weights,
+                                                                            ddp_weights)}])

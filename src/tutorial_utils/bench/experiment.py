@@ -191,6 +191,39 @@ def targets_table(runs: list[TrainingRun], targets: tuple[float, ...]) -> tuple[
     return table(rows, cols), summary
 
 
+def batchnorm_table(runs: list[TrainingRun]) -> tuple[str, dict]:
+    """Runs that differ in how many images each BatchNorm statistic sees (``--ghost-bn``): for
+    each group size, the whole batch first, as on how many GPUs, the mean and lowest final
+    accuracy of its seeds and the epoch time; a text table and a flat summary (``bn_<G>_acc``,
+    ``_lowest``, ``_drop``, ``_epoch_s``; ``bn_whole``, ``bn_smallest``, ``bn_seeds``...)."""
+    groups: dict[int, list[TrainingRun]] = {}
+    for r in runs:
+        batch = r.start["per_gpu_batch"]
+        groups.setdefault(r.start["config"].get("ghost_bn") or batch, []).append(r)
+    whole = max(groups)
+    whole_acc = statistics.mean(r.final_acc for r in groups[whole])
+    rows, summary = [], {"bn_whole": whole, "bn_whole_acc": whole_acc * 100,
+                         "bn_epochs": len(runs[0].epochs),
+                         "bn_seeds": min(len(g) for g in groups.values())}
+    for images in sorted(groups, reverse=True):
+        seeds = groups[images]
+        acc = statistics.mean(r.final_acc for r in seeds)
+        row = {"images": images, "gpus": whole // images, "seeds": len(seeds), "acc": acc,
+               "lowest": min(r.final_acc for r in seeds), "drop": (whole_acc - acc) * 100,
+               "epoch_s": statistics.mean(r.steady_epoch_s for r in seeds)}
+        rows.append(row)
+        summary |= {f"bn_{images}_acc": acc * 100, f"bn_{images}_lowest": row["lowest"] * 100,
+                    f"bn_{images}_drop": row["drop"], f"bn_{images}_epoch_s": row["epoch_s"]}
+    small = rows[-1]
+    summary |= {"bn_smallest": small["images"], "bn_smallest_gpus": small["gpus"],
+                "bn_smallest_acc": small["acc"] * 100, "bn_smallest_drop": small["drop"]}
+    cols = (Column("images", "BN over", "d", 8), Column("gpus", "as on GPUs", "d", 11),
+            Column("seeds", "seeds", "d", 6), Column("acc", "mean acc", ".2%", 10),
+            Column("lowest", "lowest", ".2%", 9), Column("drop", "drop", ".2f", 10, unit=" pt"),
+            Column("epoch_s", "epoch s", ".2f", 9))
+    return table(rows, cols), summary
+
+
 COLUMNS = (Column("label", "run", width=32, left=True), Column("batch", "batch/proc", "d", 11),
            Column("first", "epoch 1 s", ".2f"), Column("later", "later s", ".2f", 9),
            Column("train", "train s", ".1f", 9), Column("speedup", "speed-up", ".2f", 10),
@@ -314,9 +347,25 @@ def chapter5e(machine: Plan, data: str) -> list[Job]:
     return [Job(1, with_batch(base, b, rule), f"{b}, {rule}") for b, rule in plan_]
 
 
+def chapter5e_bn(machine: Plan, data: str) -> list[Job]:
+    """The fast recipe with BatchNorm over the whole batch of 128 and over groups of it
+    (``--ghost-bn``): what 128 / G GPUs of G images each would see without SyncBatchNorm,
+    measured on one GPU, for two seeds. A smaller network, its step recorded but not compiled,
+    so that each run starts in seconds and the ten fit in one record."""
+    base = dataclasses.replace(fast_recipe(machine, data, Path("runs/ch05e/bn")), compile="none",
+                               **pick(smoke=dict(epochs=1, limit_per_class=100),
+                                      full=dict(depth=16, width=4),
+                                      profile=machine.profile))
+    groups = pick(smoke=[None, 4], full=[None, 32, 8, 4, 2], profile=machine.profile)
+    seeds = pick(smoke=[0], full=[0, 1], profile=machine.profile)
+    return [Job(1, dataclasses.replace(base, ghost_bn=g, seed=s,
+                                       out=base.out / f"bn{g or 128}-seed{s}"),
+                f"{g or 128} images, seed {s}") for g in groups for s in seeds]
+
+
 PLANS: dict[str, tuple[str, Callable[[Plan, str], list[Job]]]] = {
     "05": ("05-wrn-runs", chapter5), "05d": ("05d-schedules", chapter5d),
-    "05e": ("05e-batches", chapter5e)}
+    "05e": ("05e-batches", chapter5e), "05e-bn": ("05e-ghost-bn", chapter5e_bn)}
 
 
 def run_jobs(jobs: list[Job]) -> list[TrainingRun]:
@@ -354,8 +403,9 @@ def measured(chapter: str, machine: Plan, data: str) -> tuple[list[TrainingRun],
 class ExperimentConfig(Config):
     """Train the runs of chapter 5, 5d or 5e at full size and keep them as the chapter's record."""
 
-    plan: Literal["05", "05d", "05e"] = opt("05", "whose runs: chapter 5 (1 and N GPUs), 5d "
-                                            "(schedules) or 5e (batches)")
+    plan: Literal["05", "05d", "05e", "05e-bn"] = opt(
+        "05", "whose runs: chapter 5 (1 and N GPUs), 5d (schedules), 5e (batches) or 5e-bn "
+        "(BatchNorm over fewer images)")
     gpus: int = opt(2, "chapter 5's largest GPU count (5d and 5e run on one GPU)")
     data: str = opt("auto", "CIFAR-10, as --data of the training entry point")
     record: bool = opt(False, "write the runs as the chapter's record (book/data)")

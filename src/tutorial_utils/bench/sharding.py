@@ -131,6 +131,11 @@ TIME_COLUMNS = (Column("mode", "", width=13, left=True), Column("variant", "vari
                 Column("marks", "", width=2, left=True, missing=""))
 
 
+def host_bound(row: dict) -> bool:
+    """Whether the host's time to queue the row's step is at least 90 % of the step."""
+    return row["host_ms"] >= HOST_BOUND * row["step_ms"]
+
+
 def best(rows: list[dict], modes: tuple[str, ...]) -> dict | None:
     """The fastest of ``rows`` whose mode is one of ``modes``."""
     return min((r for r in rows if r["mode"] in modes), key=lambda r: r["step_ms"], default=None)
@@ -145,7 +150,7 @@ def time_table(rows: list[dict], batch: int) -> str:
     out = []
     for r in here:
         marks = ["best" if id(r) in fastest else "",
-                 "host-bound" if r["host_ms"] >= HOST_BOUND * r["step_ms"] else ""]
+                 "host-bound" if host_bound(r) else ""]
         out.append(r | {"marks": "  " + ", ".join(m for m in marks if m)})
     return table(out, TIME_COLUMNS)
 
@@ -195,8 +200,7 @@ def summary(rows: list[dict]) -> dict[str, float | str]:
         out |= {f"compile_slower_{batch}": (", ".join(names[:-1]) + " and " + names[-1]
                                             if len(names) > 1 else "".join(names) or "none"),
                 f"compile_slower_rows_{batch}": len(slower),
-                f"compile_slower_host_bound_{batch}": sum(
-                    r["host_ms"] >= HOST_BOUND * r["step_ms"] for r in slower)}
+                f"compile_slower_host_bound_{batch}": sum(map(host_bound, slower))}
         out |= {f"host_ddp_{batch}": eager["ddp"]["host_ms"] / eager["ddp"]["step_ms"],
                 f"eager_ddp_{batch}": eager["ddp"]["step_ms"],
                 f"eager_zero3_{batch}": eager.get("zero3", {}).get("step_ms", math.nan),
