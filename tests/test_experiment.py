@@ -111,7 +111,7 @@ def test_a_target_is_met_by_the_mean_of_the_seeds_and_the_lowest_is_shown():
     assert "every seed" in text.splitlines()[0]
 
 
-def test_batchnorm_groups_are_compared_with_the_whole_batch_seed_by_seed():
+def test_batchnorm_groups_are_compared_with_the_whole_batch_by_mean_and_lowest_seed():
     def bn_run(group, acc, seed):
         run = run_of([0.5, acc], seed=seed)
         run.start |= {"per_gpu_batch": 128, "config": run.start["config"] | {"ghost_bn": group}}

@@ -40,14 +40,15 @@ def test_bad_name():
         wide_resnet("resnet50")
 
 
-def test_ghost_batchnorm_normalises_each_group_by_its_own_statistics():
+@pytest.mark.parametrize("momentum", [0.1, None])  # None: the running mean of all batches
+def test_ghost_batchnorm_normalises_each_group_by_its_own_statistics(momentum):
     from torch import nn
 
     from tutorial_utils.models import GhostBatchNorm2d
 
     torch.manual_seed(0)
     x = torch.randn(16, 8, 5, 5).to(memory_format=torch.channels_last) * 3 + 1
-    ghost, plain = GhostBatchNorm2d(8, 4), nn.BatchNorm2d(8)
+    ghost, plain = GhostBatchNorm2d(8, 4, momentum=momentum), nn.BatchNorm2d(8, momentum=momentum)
     with torch.no_grad():
         ghost.weight.uniform_(), ghost.bias.uniform_()
         plain.load_state_dict(ghost.state_dict(), strict=False)
@@ -57,7 +58,10 @@ def test_ghost_batchnorm_normalises_each_group_by_its_own_statistics():
     torch.testing.assert_close(ghost(x), expected, atol=1e-5, rtol=1e-5)
     whole = nn.functional.batch_norm(x, None, None, ghost.weight, ghost.bias, training=True)
     assert not torch.allclose(expected, whole, atol=1e-3)  # not the whole batch's statistics
-    plain(groups[0])  # the running statistics: the first group's, as nn.BatchNorm2d keeps them
+    for step in range(2):  # the running statistics: the first group's, as nn.BatchNorm2d keeps them
+        plain(groups[0] + step)
+        if step:
+            ghost(x + step)
     torch.testing.assert_close(ghost.running_mean, plain.running_mean)
     torch.testing.assert_close(ghost.running_var, plain.running_var)
     ghost.eval(), plain.eval()
@@ -77,3 +81,31 @@ def test_ghost_batchnorm_keeps_the_weights_and_refuses_a_batch_it_cannot_split()
         net(torch.randn(6, 3, 32, 32))
     with pytest.raises(ValueError, match="at least two images"):
         GhostBatchNorm2d(8, 1)
+
+
+def test_ghost_batchnorm_keeps_the_dtype_and_layout_of_its_input():
+    from tutorial_utils.models import GhostBatchNorm2d
+
+    ghost = GhostBatchNorm2d(8, 4)
+    x = torch.randn(16, 8, 5, 5).to(memory_format=torch.channels_last)
+    assert ghost(x).is_contiguous(memory_format=torch.channels_last)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.nn.functional.conv2d(x, torch.randn(8, 8, 1, 1))  # bf16 under autocast
+        assert ghost(h).dtype == torch.nn.BatchNorm2d(8)(h).dtype == torch.bfloat16
+
+
+def test_the_trainer_normalises_over_groups_with_ghost_bn():
+    from tutorial_utils.config import TrainConfig
+    from tutorial_utils.data import synthetic_cifar10
+    from tutorial_utils.models import GhostBatchNorm2d
+    from tutorial_utils.parallel.distributed import DistContext
+    from tutorial_utils.trainer import Trainer
+
+    cfg = TrainConfig(depth=10, width=1, batch=32, ghost_bn=4, device="cpu", precision="fp32",
+                      checkpoint_every=0)
+    cpu = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    trainer = Trainer(cfg, cpu, synthetic_cifar10(256, 64))
+    norms = [m for m in trainer.net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert norms and all(type(m) is GhostBatchNorm2d and m.group == 4 for m in norms)
+    trainer.train_one_epoch(0)
+    assert all(int(m.num_batches_tracked) == trainer.steps_per_epoch for m in norms)
