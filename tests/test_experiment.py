@@ -127,3 +127,10 @@ def test_batchnorm_groups_are_compared_with_the_whole_batch_by_mean_and_lowest_s
     assert summary["bn_seeds"] == 1  # the fewest seeds any group has
     head, *lines = text.splitlines()
     assert "as on GPUs" in head and [int(line.split()[0]) for line in lines] == [128, 32, 4]
+    with pytest.raises(ValueError, match="no run normalises over the whole 128 images"):
+        batchnorm_table(runs[2:])  # a table of groups alone compares with nothing
+    accumulated = [bn_run(None, 0.9, 0), bn_run(8, 0.89, 0)]
+    for r in accumulated:  # 4 micro-batches of 32: BatchNorm sees 32 images at once
+        r.start["config"] = r.start["config"] | {"grad_accum": 4}
+    _, summary = batchnorm_table(accumulated)
+    assert summary["bn_whole"] == 32 and summary["bn_8_drop"] == pytest.approx(1.0)

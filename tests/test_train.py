@@ -1,6 +1,7 @@
 """The training entry point: learning, exact resume, atomic checkpoints, and clear errors."""
 
 import dataclasses
+import itertools
 import re
 
 import pytest
@@ -148,6 +149,30 @@ def test_step_graph_on_a_gpu_trains_like_the_eager_step(tmp_path):
             assert (a[k] - b[k]).norm() <= 1e-2 * a[k].norm() + 1e-6, k
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("step_graph", [False, True])
+def test_a_training_step_never_waits_for_the_gpu(tmp_path, step_graph):
+    # The host must queue step n+1 while the GPU runs step n. Anything that copies from the
+    # host or reads a GPU value back (a per-batch torch.tensor(..., device="cuda") in the
+    # loader's normalisation, an .item()) makes it wait, and the GPU idles between steps.
+    gpu = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cuda"))
+    cfg = tiny(tmp_path, device="cuda", precision="bf16", step_graph=step_graph, clip_norm=1.0)
+    trainer = train_mod.Trainer(cfg, gpu, synthetic_cifar10(256, 32))
+    trainer.warm_up()
+    batches = iter(trainer.train_loader)
+    first = next(batches)  # the epoch's permutation goes to the GPU here, once per epoch
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in itertools.chain([first], batches):
+            trainer.forward_backward(*trainer._on_device(x, y))
+            torch.nn.utils.clip_grad_norm_(trainer.net.parameters(), cfg.clip_norm)
+            trainer.optimizer.step()
+            trainer.scheduler.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_test_time_augmentation_adds_the_mirror_image(tmp_path, monkeypatch):
     seen = []
     cfg = tiny(tmp_path, epochs=1, tta=True)
@@ -252,9 +277,13 @@ def error_of(capsys, *argv):
         (["--ghost-bn", "1"], "--ghost-bn must be >= 2 (a variance needs two images), got 1"),
         (["--ghost-bn", "4", "--sync-bn"], "--ghost-bn and --sync-bn ask for opposite"),
         (["--ghost-bn", "48", "--batch", "128", "--device", "cpu", "--data", "synthetic"],
-         "--ghost-bn 48 must divide the 128 images each process normalises at once"),
+         "--ghost-bn 48 must split the 128 images each process normalises at once into "
+         "groups; use a divisor of 128 smaller than it"),
         (["--ghost-bn", "12", "--grad-accum", "4", "--batch", "128", "--device", "cpu",
-          "--data", "synthetic"], "--ghost-bn 12 must divide the 32 images each process"),
+          "--data", "synthetic"], "--ghost-bn 12 must split the 32 images each process"),
+        (["--ghost-bn", "32", "--grad-accum", "4", "--batch", "128", "--device", "cpu",
+          "--data", "synthetic", "--depth", "10", "--width", "1"],
+         "--ghost-bn 32 must split the 32 images each process"),
         (["--clip-norm", "nan"], "--clip-norm must be a number > 0, got nan"),
         (["--device", "cpu", "--depth", "10", "--width", "1", "--batch", "1024"],
          "--batch 1024 needs 1024 images per process and step, but each of the 1 processes "

@@ -94,6 +94,34 @@ def test_ghost_batchnorm_keeps_the_dtype_and_layout_of_its_input():
         assert ghost(h).dtype == torch.nn.BatchNorm2d(8)(h).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_ghost_batchnorm_of_a_converted_batchnorm_in_another_dtype(dtype):
+    # a network moved to float64 or bfloat16 keeps its BatchNorm in that dtype, a root
+    # BatchNorm included; its running statistics stay in it too
+    from tutorial_utils.models import GhostBatchNorm2d, ghost_batchnorm
+
+    ghost = ghost_batchnorm(torch.nn.BatchNorm2d(8).to(dtype), 4)
+    assert type(ghost) is GhostBatchNorm2d and ghost.weight.dtype == dtype
+    x = torch.randn(16, 8, 5, 5, dtype=dtype)
+    y = ghost(x)
+    assert y.dtype == dtype and ghost.running_mean.dtype == ghost.running_var.dtype == dtype
+    expected = torch.nn.functional.batch_norm(x[:4].double(), None, None, training=True)
+    tol = 1e-9 if dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(y[:4].double(), expected, atol=tol, rtol=tol)
+    assert ghost.running_mean.double().sub(0.1 * x[:4].double().mean((0, 2, 3))).abs().max() < tol
+
+
+def test_ghost_batchnorm_without_running_statistics_groups_in_evaluation_too():
+    from tutorial_utils.models import GhostBatchNorm2d
+
+    ghost = GhostBatchNorm2d(8, 4, track_running_stats=False).eval()
+    x = torch.randn(16, 8, 5, 5) * 2 + 3
+    groups = torch.cat([torch.nn.functional.batch_norm(x[i:i + 4], None, None, ghost.weight,
+                                                       ghost.bias, training=True)
+                        for i in range(0, 16, 4)])
+    torch.testing.assert_close(ghost(x), groups, atol=1e-5, rtol=1e-5)
+
+
 def test_the_trainer_normalises_over_groups_with_ghost_bn():
     from tutorial_utils.config import TrainConfig
     from tutorial_utils.data import synthetic_cifar10

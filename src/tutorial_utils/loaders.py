@@ -8,6 +8,7 @@ flips a function of (seed, epoch, sample) so that a resumed run repeats them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 
@@ -19,10 +20,17 @@ MEAN = (0.4914, 0.4822, 0.4465)  # the official training-set statistics
 STD = (0.2470, 0.2435, 0.2616)
 
 
+@functools.cache
+def _mean_std(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # Made once per device: torch.tensor(..., device="cuda") copies from ordinary host memory
+    # and waits until the GPU has finished all the work queued before it, a stall per batch.
+    return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1),
+            torch.tensor(STD, device=device).view(1, 3, 1, 1))
+
+
 def normalize(x: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
     """uint8 images -> float32 with CIFAR-10 mean and std removed."""
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
+    mean, std = _mean_std(x.device)
     out = (x.float() / 255 - mean) / std
     return out.contiguous(memory_format=torch.channels_last) if channels_last else out
 

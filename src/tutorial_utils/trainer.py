@@ -141,10 +141,10 @@ class Trainer:
             self.net = nn.SyncBatchNorm.convert_sync_batchnorm(self.net)
         if cfg.ghost_bn:  # statistics over groups of each micro-batch, as on more GPUs
             micro = self.per_gpu // cfg.grad_accum
-            if micro % cfg.ghost_bn:
-                raise ConfigError(f"--ghost-bn {cfg.ghost_bn} must divide the {micro} images "
-                                  "each process normalises at once; use a divisor of "
-                                  f"{micro}")
+            if micro % cfg.ghost_bn or micro == cfg.ghost_bn:
+                raise ConfigError(f"--ghost-bn {cfg.ghost_bn} must split the {micro} images "
+                                  "each process normalises at once into groups; use a divisor "
+                                  f"of {micro} smaller than it")
             self.net = ghost_batchnorm(self.net, cfg.ghost_bn)
         self.net.to(ctx.device, memory_format=torch.channels_last)
         # With --step-graph, warm_up() records forward and backward into one CUDA graph;

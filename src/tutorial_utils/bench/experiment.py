@@ -197,10 +197,13 @@ def batchnorm_table(runs: list[TrainingRun]) -> tuple[str, dict]:
     accuracy of its seeds and the epoch time; a text table and a flat summary (``bn_<G>_acc``,
     ``_lowest``, ``_drop``, ``_epoch_s``; ``bn_whole``, ``bn_smallest``, ``bn_seeds``...)."""
     groups: dict[int, list[TrainingRun]] = {}
-    for r in runs:
-        batch = r.start["per_gpu_batch"]
-        groups.setdefault(r.start["config"].get("ghost_bn") or batch, []).append(r)
-    whole = max(groups)
+    for r in runs:  # the images one process normalises at once: its micro-batch, or a group
+        micro = r.start["per_gpu_batch"] // r.start["config"].get("grad_accum", 1)
+        groups.setdefault(r.start["config"].get("ghost_bn") or micro, []).append(r)
+    whole = runs[0].start["per_gpu_batch"] // runs[0].start["config"].get("grad_accum", 1)
+    if whole not in groups:
+        raise ValueError(f"no run normalises over the whole {whole} images: the table compares "
+                         "every group with a run without --ghost-bn")
     whole_acc = statistics.mean(r.final_acc for r in groups[whole])
     rows, summary = [], {"bn_whole": whole, "bn_whole_acc": whole_acc * 100,
                          "bn_epochs": len(runs[0].epochs),
@@ -401,12 +404,14 @@ def measured(chapter: str, machine: Plan, data: str) -> tuple[list[TrainingRun],
 
 @dataclass
 class ExperimentConfig(Config):
-    """Train the runs of chapter 5, 5d or 5e at full size and keep them as the chapter's record."""
+    """Train the runs of chapter 5, 5d or 5e (batches, or BatchNorm's groups) at full size and
+    keep them as the chapter's record."""
 
     plan: Literal["05", "05d", "05e", "05e-bn"] = opt(
         "05", "whose runs: chapter 5 (1 and N GPUs), 5d (schedules), 5e (batches) or 5e-bn "
         "(BatchNorm over fewer images)")
-    gpus: int = opt(2, "chapter 5's largest GPU count (5d and 5e run on one GPU)")
+    gpus: int = opt(2, "chapter 5's largest GPU count (the 5d, 5e and 5e-bn plans run on one "
+                    "GPU)")
     data: str = opt("auto", "CIFAR-10, as --data of the training entry point")
     record: bool = opt(False, "write the runs as the chapter's record (book/data)")
     only: str | None = opt(None, "train only these runs of the plan, by position (0,2 or 1-3); "

@@ -17,7 +17,8 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
     consecutive images, as on ``batch / group`` GPUs each holding one group.
 
     The running statistics come from the first group only, as under DDP, which broadcasts rank
-    0's buffers to the others before each forward. In evaluation it is ``nn.BatchNorm2d``.
+    0's buffers to the others before each forward. In evaluation it is ``nn.BatchNorm2d``
+    (which, without running statistics, normalises by the batch's: then by each group's).
     """
 
     def __init__(self, num_features: int, group: int, **kwargs) -> None:
@@ -31,16 +32,19 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        if not self.training or n <= self.group:
+        running = not self.training and self.track_running_stats  # no batch statistics
+        if running or n <= self.group:
             return super().forward(x)
         if n % self.group:
             raise ValueError(f"a batch of {n} images does not split into groups of {self.group}")
-        g = x.float().reshape(n // self.group, self.group, *x.shape[1:])
+        # bf16 and fp16 activations are normalised in fp32, as nn.BatchNorm2d does
+        g = x.to(torch.promote_types(x.dtype, torch.float32))
+        g = g.reshape(n // self.group, self.group, *x.shape[1:])
         var, mean = torch.var_mean(g, dim=(1, 3, 4), correction=0, keepdim=True)
         y = (g - mean) * torch.rsqrt(var + self.eps)
         if self.affine:
             y = y * self.weight.view(1, 1, -1, 1, 1) + self.bias.view(1, 1, -1, 1, 1)
-        if self.track_running_stats:
+        if self.training and self.track_running_stats:
             per_channel = self.group * x.shape[2] * x.shape[3]  # values behind each statistic
             self._update_running_stats(mean[0].flatten(), var[0].flatten(), per_channel)
         return y.reshape(x.shape).to(x.dtype)
@@ -51,22 +55,23 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
         moving average (or, with ``momentum=None``, the mean so far), the variance unbiased."""
         self.num_batches_tracked.add_(1)
         weight = 1.0 / self.num_batches_tracked if self.momentum is None else self.momentum
-        self.running_mean.lerp_(mean, weight)
-        self.running_var.lerp_(var * (m / (m - 1)), weight)
+        dtype = self.running_mean.dtype  # the buffers' own, whatever the activations'
+        self.running_mean.lerp_(mean.to(dtype), weight)
+        self.running_var.lerp_((var * (m / (m - 1))).to(dtype), weight)
 
 
 def ghost_batchnorm(model: nn.Module, group: int) -> nn.Module:
     """``model`` with each ``nn.BatchNorm2d`` replaced in place by a :class:`GhostBatchNorm2d`
-    of ``group`` images holding the same weights and statistics."""
+    of ``group`` images holding the same weights and statistics (a ``model`` that is itself a
+    ``nn.BatchNorm2d`` is returned converted)."""
+    if type(model) is nn.BatchNorm2d:
+        tensors = [*model.parameters(), *model.buffers()]
+        place = dict(device=tensors[0].device, dtype=tensors[0].dtype) if tensors else {}
+        ghost = GhostBatchNorm2d(model.num_features, group, eps=model.eps,
+                                 momentum=model.momentum, affine=model.affine,
+                                 track_running_stats=model.track_running_stats, **place)
+        ghost.load_state_dict(model.state_dict())
+        return ghost
     for name, child in model.named_children():
-        if type(child) is nn.BatchNorm2d:
-            tensors = [*child.parameters(), *child.buffers()]
-            ghost = GhostBatchNorm2d(child.num_features, group, eps=child.eps,
-                                     momentum=child.momentum, affine=child.affine,
-                                     track_running_stats=child.track_running_stats,
-                                     device=tensors[0].device if tensors else None)
-            ghost.load_state_dict(child.state_dict())
-            setattr(model, name, ghost)
-        else:
-            ghost_batchnorm(child, group)
+        setattr(model, name, ghost_batchnorm(child, group))
     return model
