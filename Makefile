@@ -54,6 +54,10 @@ serve: book
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
+# One compute thread per process: two test processes (and the processes they start) on two
+# cores each running PyTorch's default of one thread per core oversubscribe them, and the small
+# CPU steps of the tests and the smoke-size notebooks then run slower, not faster.
+test: export OMP_NUM_THREADS = 1
 test: $(VENV)/.installed browser
 	$(PY) -m ruff check src tests tools
 	$(PY) -m pytest -q $(XDIST) --durations=20 tests
