@@ -54,10 +54,12 @@ serve: book
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
-# One compute thread per process: two test processes (and the processes they start) on two
-# cores each running PyTorch's default of one thread per core oversubscribe them, and the small
-# CPU steps of the tests and the smoke-size notebooks then run slower, not faster.
-test: export OMP_NUM_THREADS = 1
+# Compute threads per test process: the cores shared by the TEST_WORKERS processes (one each
+# on two cores), unless OMP_NUM_THREADS is set already. By default each process would take
+# one thread per core, and two small CPU training steps side by side then oversubscribe them.
+TEST_THREADS := $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) / $(TEST_WORKERS) )); \
+	echo $$(( n > 0 ? n : 1 )))
+test: export OMP_NUM_THREADS ?= $(TEST_THREADS)
 test: $(VENV)/.installed browser
 	$(PY) -m ruff check src tests tools
 	$(PY) -m pytest -q $(XDIST) --durations=20 tests

@@ -26,6 +26,12 @@ def small_data(monkeypatch):
     monkeypatch.delenv("TUTORIAL_CRASH_AT_STEP", raising=False)
 
 
+@pytest.fixture
+def few_images(monkeypatch):
+    """Two steps an epoch: enough for tests of what a run repeats, not of what it learns."""
+    monkeypatch.setattr(train_mod, "load_cifar10", lambda *a, **k: synthetic_cifar10(128, 32))
+
+
 def tiny(tmp_path, **kw):
     base = dict(depth=10, width=1, epochs=2, batch=64, data="synthetic", out=tmp_path / "run",
                 precision="fp32", device="cpu")
@@ -74,7 +80,7 @@ def killed_in_epoch(cfg, epoch, monkeypatch):
 
 
 @pytest.mark.parametrize("loader", ["device", "dataloader"])
-def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, loader):
+def test_resume_gives_bitwise_the_same_weights(few_images, tmp_path, monkeypatch, loader):
     # dropout draws from the global RNG: the resume must restore it and draw nothing else
     straight = tiny(tmp_path / "a", epochs=3, loader=loader, dropout=0.3)
     straight_records = run(straight, CPU)
@@ -90,7 +96,7 @@ def test_resume_gives_bitwise_the_same_weights(tmp_path, monkeypatch, loader):
 
 
 def test_a_resumed_run_keeps_one_record_per_epoch_and_adds_up_its_training_time(
-        tmp_path, monkeypatch):
+        few_images, tmp_path, monkeypatch):
     from tutorial_utils.bench.experiment import load_run
 
     cfg = tiny(tmp_path, epochs=4, checkpoint_every=2)
@@ -108,7 +114,7 @@ def test_a_resumed_run_keeps_one_record_per_epoch_and_adds_up_its_training_time(
     assert whole.train_s == pytest.approx(whole.epochs[-1]["train_time_s"])
 
 
-def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
+def test_warm_up_leaves_the_training_unchanged(few_images, tmp_path, monkeypatch):
     straight = tiny(tmp_path / "a", epochs=1, dropout=0.3)
     run(straight, CPU)
 
@@ -125,7 +131,7 @@ def test_warm_up_leaves_the_training_unchanged(tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)  # weights and BatchNorm statistics
 
 
-def test_step_graph_without_a_gpu_trains_exactly_as_without(tmp_path):
+def test_step_graph_without_a_gpu_trains_exactly_as_without(few_images, tmp_path):
     straight = tiny(tmp_path / "a", epochs=2, dropout=0.3)
     graphed = tiny(tmp_path / "b", epochs=2, dropout=0.3, step_graph=True)
     losses = [[r["train_loss"] for r in run(cfg, CPU)] for cfg in (straight, graphed)]

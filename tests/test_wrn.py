@@ -108,14 +108,18 @@ def test_ghost_batchnorm_of_a_converted_batchnorm_in_another_dtype(dtype):
     expected = torch.nn.functional.batch_norm(x[:4].double(), None, None, training=True)
     tol = 1e-9 if dtype == torch.float64 else 2e-2
     torch.testing.assert_close(y[:4].double(), expected, atol=tol, rtol=tol)
-    assert ghost.running_mean.double().sub(0.1 * x[:4].double().mean((0, 2, 3))).abs().max() < tol
+    first = x[:4].double()  # the running statistics: one step from (0, 1) towards the first group's
+    assert ghost.running_mean.double().sub(0.1 * first.mean((0, 2, 3))).abs().max() < tol
+    var = first.var((0, 2, 3), correction=1)
+    assert ghost.running_var.double().sub(0.9 + 0.1 * var).abs().max() < tol
 
 
 def test_ghost_batchnorm_without_running_statistics_groups_in_evaluation_too():
     from tutorial_utils.models import GhostBatchNorm2d
 
     ghost = GhostBatchNorm2d(8, 4, track_running_stats=False).eval()
-    x = torch.randn(16, 8, 5, 5) * 2 + 3
+    offsets = torch.arange(4.0).repeat_interleave(4).view(16, 1, 1, 1)  # each group its own
+    x = torch.randn(16, 8, 5, 5) * (2 + offsets) + 3 * offsets
     groups = torch.cat([torch.nn.functional.batch_norm(x[i:i + 4], None, None, ghost.weight,
                                                        ghost.bias, training=True)
                         for i in range(0, 16, 4)])
