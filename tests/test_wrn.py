@@ -105,10 +105,11 @@ def test_ghost_batchnorm_of_a_converted_batchnorm_in_another_dtype(dtype):
     x = torch.randn(16, 8, 5, 5, dtype=dtype)
     y = ghost(x)
     assert y.dtype == dtype and ghost.running_mean.dtype == ghost.running_var.dtype == dtype
-    expected = torch.nn.functional.batch_norm(x[:4].double(), None, None, training=True)
+    first = x[:4].double()  # the first group: its normalisation, and the running statistics
+    expected = torch.nn.functional.batch_norm(first, None, None, training=True)
     tol = 1e-9 if dtype == torch.float64 else 2e-2
     torch.testing.assert_close(y[:4].double(), expected, atol=tol, rtol=tol)
-    first = x[:4].double()  # the running statistics: one step from (0, 1) towards the first group's
+    # one step of momentum 0.1 from (0, 1) towards the first group's statistics
     assert ghost.running_mean.double().sub(0.1 * first.mean((0, 2, 3))).abs().max() < tol
     var = first.var((0, 2, 3), correction=1)
     assert ghost.running_var.double().sub(0.9 + 0.1 * var).abs().max() < tol
