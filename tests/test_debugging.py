@@ -6,11 +6,13 @@ from tutorial_utils.launch import LaunchError, torchrun
 from tutorial_utils.workers.mismatch_demo import summary
 
 
-def _fail(mismatch, env):
+def _fail(mismatch, env, full_output=None):
     with pytest.raises(LaunchError) as err:
         torchrun("tutorial_utils.workers.mismatch_demo", ["--mismatch", mismatch, "--timeout",
                                                             "10"], nproc=2, timeout_s=120,
                  env=env, echo=False)
+    if full_output is not None:
+        full_output.append(err.value.output)
     return [s for s in map(summary, err.value.output.splitlines()) if s]
 
 
@@ -25,7 +27,11 @@ def test_detail_debugging_names_the_ranks_and_their_collectives(mismatch, expect
 
 
 def test_without_it_the_job_fails_without_saying_why():
-    assert _fail("shape", {"TORCH_DISTRIBUTED_DEBUG": "OFF"}) == []
+    output = []
+    assert _fail("shape", {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, output) == []
+    # it failed in the mismatched all-reduce (gloo's check of the bytes), not somewhere else
+    assert "op.preamble.length <= op.nbytes" in output[0]
+    assert "Detected mismatch" not in output[0]
 
 
 def test_a_stack_dump_of_each_rank_shows_which_one_never_joined():

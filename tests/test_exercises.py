@@ -4,6 +4,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from tutorial_utils.config import TrainConfig
 from tutorial_utils.parallel.tensor import tp_comm_over_compute
@@ -16,7 +17,19 @@ def test_ch1_output_shape_of_a_larger_input():
 
 
 def test_ch1_two_backward_passes_equal_one_with_twice_the_gradient():
+    from tutorial_utils.toy import toy_grad_output, toy_input, toy_model, toy_output_shape
+
     assert ch01.accumulation_matches_doubling()
+    # the fact the solution checks, by hand: .grad adds up, so two passes hold twice one pass
+    gen = torch.Generator().manual_seed(1)
+    model, x = toy_model(), toy_input(gen)
+    g = toy_grad_output(torch.Size(toy_output_shape()), gen)
+    model(x).backward(g)
+    once = [p.grad.clone() for p in model.parameters()]
+    model(x).backward(g)
+    for a, p in zip(once, model.parameters(), strict=True):
+        assert a.abs().sum() > 0
+        torch.testing.assert_close(p.grad, 2 * a)
 
 
 def test_ch2_break_even_of_a_slow_first_step():

@@ -101,8 +101,9 @@ def test_metrics_are_returned(tmp_path):
     script.write_text(
         "import json, os\n"
         f"if os.environ['RANK'] == '0':\n"
-        f"    open({str(out)!r}, 'w').write(json.dumps({{'world': os.environ['WORLD_SIZE']}}))\n"
+        f"    open({str(out)!r}, 'a').write(json.dumps({{'world': os.environ['WORLD_SIZE']}}))\n"
     )
-    out.write_text(json.dumps({"stale": True}))  # removed before the job starts
+    # appended to, as a training run does: the stale line must be gone before the job starts
+    out.write_text(json.dumps({"stale": True}) + "\n")
     result = torchrun(str(script), nproc=2, timeout_s=60, metrics_file=out, echo=False)
     assert result.metrics == [{"world": "2"}]

@@ -47,6 +47,12 @@ def test_a_complete_checkpoint_loads_exactly(saved):
     assert load_sharded(path, model, opt) == 3
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                  written.state_dict().values(), strict=True))
+    _, written_opt = model_and_optimizer(seed=0)  # the saved optimizer, built again
+    _, other_opt = model_and_optimizer(seed=1)
+    loaded, want, other = (o.state_dict()["state"] for o in (opt, written_opt, other_opt))
+    assert len(loaded) == len(want) == len(list(model.parameters()))
+    assert not torch.equal(want[0]["momentum_buffer"], other[0]["momentum_buffer"])
+    assert all(torch.equal(loaded[i]["momentum_buffer"], want[i]["momentum_buffer"]) for i in want)
 
 
 def test_no_flipped_bit_in_any_file_loads(saved, tmp_path):

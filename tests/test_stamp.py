@@ -22,9 +22,24 @@ def test_markdown_and_text_show_the_hardware():
 
 
 def test_git_commit_falls_back_to_environment(monkeypatch):
-    monkeypatch.setattr(stamp_mod, "_run", lambda *a, **k: None)
+    monkeypatch.setattr(stamp_mod, "_run", lambda *a, **k: "0123456789ab")
     monkeypatch.setenv("TUTORIAL_GIT_COMMIT", "abc123")
-    assert stamp_mod._git_commit() == "abc123"
+    assert stamp_mod._git_commit() == "abc123"  # the environment wins over the checkout
+
+
+@pytest.mark.parametrize("status, expected", [(" M src/x.py", "0123456789ab+dirty"),
+                                              ("", "0123456789ab")])
+def test_git_commit_says_when_the_checkout_has_changes(monkeypatch, status, expected):
+    monkeypatch.delenv("TUTORIAL_GIT_COMMIT", raising=False)
+    said = {"rev-parse": "0123456789ab", "status": status}
+    monkeypatch.setattr(stamp_mod, "_run", lambda cmd, cwd=None: said[cmd[1]])
+    assert stamp_mod._git_commit() == expected
+
+
+def test_git_commit_without_git_is_unknown(monkeypatch):
+    monkeypatch.delenv("TUTORIAL_GIT_COMMIT", raising=False)
+    monkeypatch.setattr(stamp_mod, "_run", lambda *a, **k: None)
+    assert stamp_mod._git_commit() == "unknown"
 
 
 @pytest.mark.gpu
@@ -41,8 +56,12 @@ def test_cpu_model_comes_from_the_model_name_line(tmp_path):
     assert stamp_mod.cpu_model(info) == "AMD EPYC 9454 48-Core Processor"
 
 
-def test_cpu_model_falls_back_without_cpuinfo(tmp_path):
-    assert stamp_mod.cpu_model(tmp_path / "missing") not in ("", None)
+def test_cpu_model_falls_back_without_cpuinfo(tmp_path, monkeypatch):
+    monkeypatch.setattr(stamp_mod.platform, "processor", lambda: "")
+    monkeypatch.setattr(stamp_mod.platform, "machine", lambda: "aarch64")
+    assert stamp_mod.cpu_model(tmp_path / "missing") == "aarch64"
+    monkeypatch.setattr(stamp_mod.platform, "machine", lambda: "")
+    assert stamp_mod.cpu_model(tmp_path / "missing") == "unknown CPU"
 
 
 def test_stamp_shows_the_cpu_model_and_nccl_version():

@@ -16,8 +16,15 @@ def test_statistics_of_known_samples():
 
 def test_benchmark_warms_up_then_times_each_repeat():
     calls = []
-    t = benchmark(lambda: calls.append(1), warmup=3, repeats=7, device="cpu")
+
+    def slow_at_first():  # the warm-up calls are slow, as a first step that autotunes is
+        calls.append(1)
+        if len(calls) <= 3:
+            time.sleep(0.2)
+
+    t = benchmark(slow_at_first, warmup=3, repeats=7, device="cpu")
     assert len(calls) == 10 and len(t) == 7
+    assert max(t.samples_ms) < 100  # none of the slow (200 ms) calls was timed
 
 
 def test_benchmark_measures_real_time_on_cpu():
@@ -28,6 +35,8 @@ def test_benchmark_measures_real_time_on_cpu():
 def test_bad_arguments():
     with pytest.raises(ValueError, match="repeats >= 1"):
         benchmark(lambda: None, repeats=0, device="cpu")
+    with pytest.raises(ValueError, match="warmup >= 0"):
+        benchmark(lambda: None, warmup=-1, device="cpu")
 
 
 def test_cold_call_includes_the_work():

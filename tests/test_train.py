@@ -7,9 +7,8 @@ import re
 import pytest
 import torch
 
-from tutorial_utils import checkpoint as ckpt_mod
 from tutorial_utils import train as train_mod
-from tutorial_utils.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from tutorial_utils.checkpoint import CheckpointError, save_checkpoint
 from tutorial_utils.config import ConfigError, parse
 from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.devices import gpu_count
@@ -209,21 +208,6 @@ def test_test_time_augmentation_survives_reused_output_memory():
         assert torch.allclose(predict(model, x, tta=True), expected)
 
 
-def test_interrupted_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
-    path = tmp_path / "checkpoint.pt"
-    save_checkpoint(path, {"epoch": 1, "config": {}})
-
-    def crash_midway(obj, f):
-        f.write(b"half a checkpoint")
-        raise OSError("disk full")
-
-    monkeypatch.setattr(ckpt_mod.torch, "save", crash_midway)
-    with pytest.raises(OSError):
-        save_checkpoint(path, {"epoch": 2, "config": {}})
-    assert load_checkpoint(path, {})["epoch"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
-
-
 def test_lr_schedules():
     cfg = TrainConfig(epochs=10, warmup_epochs=2)
     assert lr_factor(cfg, 0, 100) == pytest.approx(1 / 200)
@@ -337,14 +321,6 @@ def test_resume_with_another_number_of_processes_is_refused(tmp_path):
     save_checkpoint(cfg.out / "checkpoint.pt", state)
     with pytest.raises(CheckpointError, match="written by 2 processes, this run has 1"):
         run(tiny(tmp_path, epochs=1, resume=True), CPU)
-
-
-def test_every_rank_random_state_is_saved(tmp_path):
-    cfg = tiny(tmp_path, epochs=1)
-    run(cfg, CPU)
-    rng = torch.load(cfg.out / "checkpoint.pt", weights_only=True)["rng"]
-    assert isinstance(rng, list) and len(rng) == CPU.world_size
-
 
 
 def test_limit_per_class_applies_to_synthetic_data_too(monkeypatch):
@@ -521,14 +497,21 @@ def test_sync_batchnorm_trains_on_two_gpus(tmp_path):
 
 
 def test_fp16_trains_with_a_gradient_scaler_and_resumes_it(tmp_path, monkeypatch):
-    # fp16 arithmetic is emulated on a CPU: a quarter of the usual tiny data set
-    monkeypatch.setattr(train_mod, "load_cifar10", lambda *a, **k: synthetic_cifar10(128, 32))
-    cfg = tiny(tmp_path, epochs=2, precision="fp16")
-    records = run(cfg, CPU)
+    # fp16 arithmetic is emulated on a CPU, slowly: one step an epoch
+    monkeypatch.setattr(train_mod, "load_cifar10", lambda *a, **k: synthetic_cifar10(64, 16))
+    straight = tiny(tmp_path / "a", epochs=2, precision="fp16")
+    records = run(straight, CPU)
     assert records[-1]["train_loss"] < records[0]["train_loss"]
-    state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
-    assert state["scaler"]["scale"] > 1  # the loss was scaled before backward
-    assert state["config"]["precision"] == "fp16"
+    interrupted = tiny(tmp_path / "b", epochs=2, precision="fp16")
+    killed_in_epoch(interrupted, 2, monkeypatch)
+    run(dataclasses.replace(interrupted, resume=True), CPU)
+    a, b = (torch.load(cfg.out / "checkpoint.pt", weights_only=True)
+            for cfg in (straight, interrupted))
+    assert b["config"]["precision"] == "fp16"
+    # the scaler's state came back with the checkpoint: its count of steps without an overflow
+    # would restart from 0 otherwise
+    assert a["scaler"] == b["scaler"] and a["scaler"]["_growth_tracker"] == 2
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
 def test_bf16_on_a_cpu_without_bf16_instructions_trains_in_fp32(tmp_path, monkeypatch, capsys):
