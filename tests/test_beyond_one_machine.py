@@ -2,7 +2,6 @@
 torchrun restarts and that resumes from the checkpoint, and a collective that times out.
 FSDP and its sharded checkpoints are tested in test_fsdp.py."""
 
-import time
 
 import pytest
 import torch
@@ -62,13 +61,14 @@ def test_without_restarts_the_crash_is_reported(tmp_path):
 
 
 def test_a_collective_one_rank_never_joins_times_out_clearly():
-    t0 = time.monotonic()
     with pytest.raises(LaunchError) as err:
         torchrun("tutorial_utils.workers.hang_demo", ["--timeout", "5", "--device", "cpu"],
                  nproc=2, timeout_s=120, echo=False)
-    assert time.monotonic() - t0 < 60
+    # Ended by the process group's timeout in rank 0's all-reduce, not by the launcher's outer
+    # limit (whose error reads "timed out after 120 s; all processes were killed"). No bound on
+    # the wall time: on a loaded machine starting the processes alone can take a minute.
     assert str(err.value).startswith("rank 0 failed: RuntimeError:")
-    assert "Timed out" in str(err.value)
+    assert "Timed out" in str(err.value) and "all processes were killed" not in str(err.value)
 
 
 @pytest.mark.multigpu
