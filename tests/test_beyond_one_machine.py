@@ -2,7 +2,6 @@
 torchrun restarts and that resumes from the checkpoint, and a collective that times out.
 FSDP and its sharded checkpoints are tested in test_fsdp.py."""
 
-
 import pytest
 import torch
 

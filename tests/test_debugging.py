@@ -6,14 +6,18 @@ from tutorial_utils.launch import LaunchError, torchrun
 from tutorial_utils.workers.mismatch_demo import summary
 
 
-def _fail(mismatch, env, full_output=None):
+def _fail(mismatch, env) -> str:
+    """The full output of the mismatched job, which must fail."""
     with pytest.raises(LaunchError) as err:
         torchrun("tutorial_utils.workers.mismatch_demo", ["--mismatch", mismatch, "--timeout",
                                                             "10"], nproc=2, timeout_s=120,
                  env=env, echo=False)
-    if full_output is not None:
-        full_output.append(err.value.output)
-    return [s for s in map(summary, err.value.output.splitlines()) if s]
+    return err.value.output
+
+
+def _said(output: str) -> list[str]:
+    """What the ranks said about their collectives, one line each."""
+    return [s for s in map(summary, output.splitlines()) if s]
 
 
 @pytest.mark.parametrize(("mismatch", "expected"), [
@@ -23,15 +27,15 @@ def _fail(mismatch, env, full_output=None):
             "rank 1 called BROADCAST on shape [4], rank 0 ALLREDUCE on shape [4]"}),
 ])
 def test_detail_debugging_names_the_ranks_and_their_collectives(mismatch, expected):
-    assert set(_fail(mismatch, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})) == expected
+    assert set(_said(_fail(mismatch, {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}))) == expected
 
 
 def test_without_it_the_job_fails_without_saying_why():
-    output = []
-    assert _fail("shape", {"TORCH_DISTRIBUTED_DEBUG": "OFF"}, output) == []
+    output = _fail("shape", {"TORCH_DISTRIBUTED_DEBUG": "OFF"})
+    assert _said(output) == []
     # it failed in the mismatched all-reduce (gloo's check of the bytes), not somewhere else
-    assert "op.preamble.length <= op.nbytes" in output[0]
-    assert "Detected mismatch" not in output[0]
+    assert "op.preamble.length <= op.nbytes" in output
+    assert "Detected mismatch" not in output
 
 
 def test_a_stack_dump_of_each_rank_shows_which_one_never_joined():
