@@ -84,6 +84,17 @@ def test_a_part_measured_with_other_code_replaces_the_record(tmp_path):
     assert kept == 0 and records.load("sweep", root=tmp_path).rows == [{"run": "b"}]
 
 
+def test_a_part_made_at_another_commit_replaces_the_record(tmp_path, monkeypatch):
+    monkeypatch.setenv("TUTORIAL_GIT_COMMIT", "aaaaaaaaaaaa")
+    records.write_part("sweep", TinyConfig(), [{"run": "a"}], ["a", "b"], "x", root=tmp_path)
+    monkeypatch.setenv("TUTORIAL_GIT_COMMIT", "bbbbbbbbbbbb")
+    _, kept = records.write_part("sweep", TinyConfig(), [{"run": "b"}], ["a", "b"], "x",
+                                 root=tmp_path)
+    record = records.load("sweep", root=tmp_path)
+    assert kept == 0 and record.rows == [{"run": "b"}]
+    assert record.header["stamp"]["git_commit"] == "bbbbbbbbbbbb"
+
+
 @pytest.mark.parametrize(("only", "error"), [("x", "run positions such as"), ("0-9", "0 to 5"),
                                              ("-1", "run positions such as")])
 def test_a_bad_part_of_a_sweep_is_one_line(only, error):
