@@ -73,23 +73,27 @@ def test_a_sweep_made_in_parts_is_one_record_in_the_plans_order(tmp_path):
     assert kept == 0 and records.load("sweep", root=tmp_path).rows == part
 
 
+def _part(run, root):
+    """Write run ``run`` of the two-run sweep ("a", "b") as a part; how many runs it kept."""
+    return records.write_part("sweep", TinyConfig(), [{"run": run}], ["a", "b"], "x",
+                              root=root)[1]
+
+
 def test_a_part_measured_with_other_code_replaces_the_record(tmp_path):
-    records.write_part("sweep", TinyConfig(), [{"run": "a"}], ["a", "b"], "x", root=tmp_path)
+    _part("a", tmp_path)
     path = tmp_path / "sweep.jsonl"
     head, *rows = [json.loads(line) for line in path.read_text().splitlines()]
     head["modules"] = {m: "0" * 64 for m in head["modules"]}  # as if the code had changed
     path.write_text("".join(json.dumps(r) + "\n" for r in [head, *rows]))
-    _, kept = records.write_part("sweep", TinyConfig(), [{"run": "b"}], ["a", "b"], "x",
-                                 root=tmp_path)
+    kept = _part("b", tmp_path)
     assert kept == 0 and records.load("sweep", root=tmp_path).rows == [{"run": "b"}]
 
 
 def test_a_part_made_at_another_commit_replaces_the_record(tmp_path, monkeypatch):
     monkeypatch.setenv("TUTORIAL_GIT_COMMIT", "aaaaaaaaaaaa")
-    records.write_part("sweep", TinyConfig(), [{"run": "a"}], ["a", "b"], "x", root=tmp_path)
+    _part("a", tmp_path)
     monkeypatch.setenv("TUTORIAL_GIT_COMMIT", "bbbbbbbbbbbb")
-    _, kept = records.write_part("sweep", TinyConfig(), [{"run": "b"}], ["a", "b"], "x",
-                                 root=tmp_path)
+    kept = _part("b", tmp_path)
     record = records.load("sweep", root=tmp_path)
     assert kept == 0 and record.rows == [{"run": "b"}]
     assert record.header["stamp"]["git_commit"] == "bbbbbbbbbbbb"
