@@ -158,8 +158,9 @@ def test_ch6_zero_bytes_for_a_large_model_and_the_resume_point():
     per_gpu = ch06.zero_gb_per_gpu(7e9, 8)
     assert list(per_gpu.values()) == pytest.approx(
         [112, 7 * (4 + 12 / 8), 7 * (2 + 14 / 8), 7 * 16 / 8])
-    # 50,000 / 128 = 390 steps per epoch: step 450 is in epoch 1 (0-based), 60 steps redone
-    assert ch06.resume_point(450, 50_000 // 128) == (1, 60)
+    # 50,000 // 128 = 390 steps per epoch: step 450 is in the second epoch, 60 steps redone
+    assert ch06.resume_point(450, 50_000 // 128) == (2, 60)
+    assert ch06.resume_point(389, 390) == (1, 389)  # a crash in the first epoch: from scratch
 
 
 def test_ch7_all_reduce_time_break_even_width_and_2d_state():

@@ -13,7 +13,8 @@ def zero_gb_per_gpu(n_params: float, world_size: int, optimizer: str = "adam",
 
 
 def resume_point(crash_step: int, steps_per_epoch: int) -> tuple[int, int]:
-    """Exercise 2: (epoch a restarted job resumes at, steps it trains again) after a crash at
-    global step ``crash_step`` when a checkpoint is written after every epoch."""
-    resume_epoch = crash_step // steps_per_epoch
-    return resume_epoch, crash_step - resume_epoch * steps_per_epoch
+    """Exercise 2: (epoch a restarted job resumes at, counted from 1 as the training log counts
+    them; steps it trains again) after a crash at global step ``crash_step`` (counted from 0)
+    when a checkpoint is written after every epoch."""
+    done = crash_step // steps_per_epoch  # epochs whose checkpoint was written
+    return done + 1, crash_step - done * steps_per_epoch
