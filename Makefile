@@ -32,6 +32,9 @@ CHECK_BOOK = $(PY) tools/check_book.py _build/html $$(command -v chromium >/dev/
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	@$(VENV)/bin/python -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
+	  f"make: $(VENV) has Python {sys.version.split()[0]}; the book needs 3.11 or newer: " \
+	  "rm -rf $(VENV), then make PYTHON=python3.12 ...")'
 	$(VENV)/bin/python -m pip install -q -r requirements.txt
 	$(VENV)/bin/python -m pip install -q --no-deps -e .
 	touch $@
