@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# The book's tooling (tools/nbtools.py, tools/pending.py) is not part of the package.
+# The book's tooling (tools/nbtools.py) is not part of the package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 

@@ -99,10 +99,3 @@ def test_screenshots_in_chromium(tmp_path, capsys):
     assert rc == 1 and "a.png has no natural size" in out, out
     assert sorted(p.name for p in shots.iterdir()) == ["index.png", "other.png"]
 
-
-def test_old_outputs_of_a_chapter_pending_re_execution_only_warn(tmp_path, capsys):
-    page = GOOD.replace("loss 0.25", "x.py:3: UserWarning: slow")
-    pending = page.replace("<h1>Chapter</h1>", "<h1>Chapter</h1><p class=\"admonition-title\">"
-                           "Re-execution on 2 GPUs pending</p>")
-    rc, out = run(tmp_path, pending, capsys)
-    assert rc == 0 and "warning: stored output shows" in out and "pending re-execution" in out

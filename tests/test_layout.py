@@ -38,7 +38,7 @@ def test_functions_fit_on_a_screen(path):
 @pytest.mark.parametrize("path", CORE, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_the_teaching_core_needs_neither_the_benchmarks_nor_the_book_tooling(path):
     bad = [n for n in _imports(path) if n.startswith(("tutorial_utils.bench",
-           "tutorial_utils.solutions")) or n.split(".")[0] in ("tools", "nbtools", "pending")]
+           "tutorial_utils.solutions")) or n.split(".")[0] in ("tools", "nbtools")]
     assert not bad, f"{path.relative_to(PACKAGE)} imports {bad}"
 
 

@@ -75,9 +75,6 @@ class Page(HTMLParser):
             self.prose.append(data)
 
 
-PENDING = "Re-execution on "  # the title of nbtools' pending notice
-
-
 def toc_pages(toc: Path) -> list[str]:
     """The files of the toc in order, root first, without suffix."""
     return re.findall(r"^\s*(?:- )?(?:root|file):\s*(\S+)\s*$", toc.read_text(), re.M)
@@ -119,14 +116,8 @@ def check_page(root: Path, path: Path, load) -> tuple[list[str], list[str], list
         images.append(file)
         if file.parent == root / "_images" and not in_figure:
             probs.append(f"image {file.name[:16]}... is not in a numbered figure")
-    # A chapter awaiting re-execution (the tooling's pending notice) keeps its old outputs:
-    # what they show is reported, and fails the check once the chapter is executed again.
-    bad = [f"stored output shows {line.strip()[:110]!r}" for text in page.outputs
-           for line in text.splitlines() if BAD_OUTPUT.search(line)]
-    if PENDING in path.read_text(errors="replace"):
-        warns += [f"{b} (pending re-execution)" for b in bad]
-    else:
-        probs += bad
+    probs += [f"stored output shows {line.strip()[:110]!r}" for text in page.outputs
+              for line in text.splitlines() if BAD_OUTPUT.search(line)]
     prose = "".join(page.prose)
     probs += [f"unrendered maths {m.group(0)[:60]!r}" for m in UNRENDERED_MATH.finditer(prose)]
     if page.math and not page.mathjax:

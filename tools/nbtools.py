@@ -1,25 +1,23 @@
 """Execute the book's notebooks in place, stamp them, and check that stored outputs are fresh.
 
 ``python tools/nbtools.py execute NB...``
-    Runs each notebook top to bottom in a fresh kernel and stores its outputs together with
-    ``metadata.tutorial_utils``: the environment stamp, the size profile, a hash of the code
-    cells and a hash of every ``tutorial_utils`` module that the kernel or a process the
-    notebook started (torchrun's workers) imported; drops a pending notice. Refuses to replace
-    outputs made on a GPU with a run on a machine without one, unless ``--force``.
+    Runs each notebook top to bottom in a fresh kernel, on whatever machine this is (a CPU
+    laptop executes the whole book: GPU numbers come from records), and stores its outputs
+    together with ``metadata.tutorial_utils``: the environment stamp, the size profile, a hash
+    of the code cells, a hash of every ``tutorial_utils`` module that the kernel or a process
+    the notebook started (torchrun's workers) imported, and, for every record under
+    ``book/data`` the notebook read, a hash of the file and the modules it ran that had
+    changed since it was made (what the chapter printed about it).
 
 ``python tools/nbtools.py check NB...``
-    Fails (exit 1), naming the notebook and what changed, when its code cells or the package
-    modules it used changed since its outputs were made, or those were not made on a GPU;
-    passes (printing ``pending:``) one with the pending notice written for those findings.
+    Fails (exit 1), naming the notebook and what changed, when its code cells, the package
+    modules it used, or the records it read (remade, or their modules changed since) differ
+    from when its outputs were made. ``make execute NB=...`` on any machine refreshes it.
 
-``python tools/nbtools.py pending NB... --gpus N [--reason TEXT]``
-    Writes that notice at the top of each stale notebook, or of one whose outputs come from
-    fewer GPUs than N (``pending.py``).
-
-Which modules a notebook used is logged by every process it starts: the kernel runs with
-``modlog/`` on ``PYTHONPATH``, whose ``sitecustomize`` records each ``tutorial_utils`` module
-as it is imported, and every process the kernel starts inherits both (torchrun, its workers,
-``python -m tutorial_utils.train``).
+Which modules and records a notebook used is logged by every process it starts: the kernel runs
+with ``modlog/`` on ``PYTHONPATH``, whose ``sitecustomize`` records each ``tutorial_utils``
+module as it is imported, and every process the kernel starts inherits both (torchrun, its
+workers, ``python -m tutorial_utils.train``); reading a record logs ``record:<name>``.
 """
 
 from __future__ import annotations
@@ -34,14 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
-import pending
 
+from tutorial_utils.bench import records as recs
 from tutorial_utils.bench.records import PACKAGE as PACKAGE_ROOT
 from tutorial_utils.bench.records import module_hashes
 
-METADATA_KEY = pending.METADATA_KEY
-MODULE_LOG_VAR = "TUTORIAL_MODULE_LOG"  # read by modlog/sitecustomize.py
+METADATA_KEY = "tutorial_utils"
+MODULE_LOG_VAR = recs.LOG_ENV  # read by modlog/sitecustomize.py
 MODLOG = Path(__file__).resolve().parent / "modlog"
+RECORD = "record:"  # a logged name that is a record, not a module
 
 # Run in the kernel after the last cell: which package modules did the notebook use, and on what.
 _PROBE = """\
@@ -56,15 +55,10 @@ print(_json.dumps({
 """
 
 
-class RefusedError(RuntimeError):
-    """The executor will not overwrite GPU outputs with a CPU run."""
-
-
 @dataclass(frozen=True)
 class Finding:
     notebook: Path
     problem: str
-    pending: bool = False  # acknowledged by the notebook's pending notice
 
     def __str__(self) -> str:
         return f"{self.notebook}: {self.problem}"
@@ -79,8 +73,8 @@ def code_hash(nb: nbformat.NotebookNode) -> str:
     return h.hexdigest()
 
 
-def logged_modules(log: Path) -> set[str]:
-    """Module names the notebook's processes wrote to ``log``, one JSON list per line."""
+def logged_names(log: Path) -> set[str]:
+    """Names the notebook's processes wrote to ``log``, one JSON list per line."""
     names: set[str] = set()
     for line in log.read_text().splitlines() if log.exists() else []:
         try:
@@ -88,6 +82,33 @@ def logged_modules(log: Path) -> set[str]:
         except json.JSONDecodeError:
             continue  # a line cut short by a process killed while writing
     return names
+
+
+def logged_modules(log: Path) -> set[str]:
+    """The package modules among :func:`logged_names`."""
+    return {n for n in logged_names(log) if not n.startswith(RECORD)}
+
+
+REPO = recs.ROOT.parents[1]
+
+
+def record_key(path: Path) -> str:
+    """How the metadata names a record file: relative to the repository where it lies in it."""
+    path = Path(path).resolve()
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def record_state(key: str, package_root: Path = PACKAGE_ROOT) -> dict:
+    """What a chapter's output shows of the record file ``key``: its hash and the modules it
+    ran that have changed since (the line the chapter prints)."""
+    path = REPO / key  # an absolute key stays absolute
+    if not path.exists():
+        return {"sha256": "missing", "changed": []}
+    header = json.loads(path.read_text().splitlines()[0])
+    then = header.get("modules", {})
+    now = module_hashes(then, package_root)
+    return {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            "changed": sorted(m for m, h in now.items() if then[m] != h)}
 
 
 def _run_probe_last(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> dict:
@@ -106,28 +127,22 @@ def _run_probe_last(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> dict:
             probe = json.loads(text.strip().splitlines()[-1])
         finally:
             nb.cells.pop()
+        names = logged_names(log)
         probe["modules"] = sorted(set(probe["modules"]) | logged_modules(log))
+        probe["records"] = sorted({record_key(Path(n.removeprefix(RECORD))) for n in names
+                                   if n.startswith(RECORD)})
     return probe
 
 
-def execute_notebook(
-    path: Path, *, force: bool = False, timeout: int = 1800, package_root: Path = PACKAGE_ROOT
-) -> dict:
+def execute_notebook(path: Path, *, timeout: int = 1800,
+                     package_root: Path = PACKAGE_ROOT) -> dict:
     """Execute ``path`` in place and stamp it; return the metadata written."""
-    from tutorial_utils.devices import gpu_count
-
     nb = nbformat.read(path, as_version=4)
-    previous = nb.metadata.get(METADATA_KEY, {})
-    if previous.get("stamp", {}).get("gpu_count", 0) > 0 and gpu_count() == 0 and not force:
-        raise RefusedError(
-            f"{path} holds outputs from a GPU run ({previous['stamp']['gpu_names'][0]}); "
-            "this machine has no GPU. Run on a GPU machine, or pass --force (make execute FORCE=1)"
-        )
-    pending.remove(nb)  # it describes the outputs this run replaces
     probe = _run_probe_last(nb, path.parent, timeout)
     meta = {
         "code_sha256": code_hash(nb),
         "package_modules": module_hashes(probe["modules"], package_root),
+        "records": {r: record_state(r, package_root) for r in probe["records"]},
         "profile": probe["profile"],
         "stamp": probe["stamp"],
     }
@@ -136,10 +151,10 @@ def execute_notebook(
     return meta
 
 
-def stale_problems(nb: nbformat.NotebookNode, allow_cpu: bool, package_root: Path) -> list[str]:
+def stale_problems(nb: nbformat.NotebookNode, package_root: Path = PACKAGE_ROOT) -> list[str]:
     """Everything that makes the stored outputs of ``nb`` stale (empty when fresh)."""
     meta = nb.metadata.get(METADATA_KEY, {})
-    if not pending.executed(meta):
+    if "code_sha256" not in meta:
         return ["has never been executed by `make execute`"]
     problems = []
     if meta.get("code_sha256") != code_hash(nb):
@@ -148,36 +163,20 @@ def stale_problems(nb: nbformat.NotebookNode, allow_cpu: bool, package_root: Pat
     now = module_hashes(list(recorded), package_root)
     if changed := [m for m, h in now.items() if recorded[m] != h]:
         problems.append(f"package modules it uses changed: {', '.join(changed)}")
-    if not allow_cpu and meta.get("stamp", {}).get("gpu_count", 0) == 0:
-        problems.append("its outputs come from a run without a GPU")
+    for name, then in meta.get("records", {}).items():
+        state = record_state(name, package_root)
+        if state["sha256"] != then["sha256"]:
+            problems.append(f"record {name} was remade since its outputs were made")
+        elif state["changed"] != then["changed"]:
+            problems.append(f"record {name}: the modules it ran that changed since differ from "
+                            f"what the chapter printed ({', '.join(state['changed']) or 'none'})")
     return problems
 
 
-def check_notebook(
-    path: Path, *, allow_cpu: bool = False, package_root: Path = PACKAGE_ROOT
-) -> list[Finding]:
-    """What makes ``path`` stale (empty when fresh); ``pending`` where its notice owns up."""
+def check_notebook(path: Path, *, package_root: Path = PACKAGE_ROOT) -> list[Finding]:
+    """What makes ``path`` stale (empty when fresh)."""
     nb = nbformat.read(path, as_version=4)
-    problems = stale_problems(nb, allow_cpu, package_root)
-    if not pending.present(nb):
-        return [Finding(path, p) for p in problems]
-    # The notice records the strict findings (a CPU run counts), whatever --allow-cpu says.
-    short = pending.gpu_shortfall(nb, nb.metadata[METADATA_KEY].get("pending", {}).get("gpus"))
-    notice = pending.problems(nb, path, stale_problems(nb, False, package_root) + short)
-    return [Finding(path, p, pending=not notice) for p in problems + short + notice]
-
-
-def mark_pending(
-    path: Path, *, gpus: int, reason: str = "", package_root: Path = PACKAGE_ROOT
-) -> list[str]:
-    """Write (or refresh) the pending notice of ``path``; remove it if ``path`` is fresh."""
-    nb = nbformat.read(path, as_version=4)
-    if problems := stale_problems(nb, False, package_root) + pending.gpu_shortfall(nb, gpus):
-        pending.mark(nb, path, problems, gpus, reason)
-    else:
-        pending.remove(nb)
-    nbformat.write(nb, path)
-    return problems
+    return [Finding(path, p) for p in stale_problems(nb, package_root)]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -185,14 +184,9 @@ def _parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("execute", help="execute notebooks in place and stamp them")
-    ex.add_argument("--force", action="store_true", help="allow a CPU run to replace GPU outputs")
     ex.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
-    ck = sub.add_parser("check", help="fail if stored outputs are stale and not marked pending")
-    ck.add_argument("--allow-cpu", action="store_true", help="accept outputs from a CPU run")
-    pd = sub.add_parser("pending", help="mark stale notebooks as awaiting re-execution on GPUs")
-    pd.add_argument("--gpus", type=int, required=True, help="GPUs the re-execution needs")
-    pd.add_argument("--reason", default="", help='shown in the notice, e.g. "code only moved"')
-    for p in (ex, ck, pd):
+    ck = sub.add_parser("check", help="fail if stored outputs are stale")
+    for p in (ex, ck):
         p.add_argument("notebooks", nargs="+", type=Path)
     return parser
 
@@ -200,43 +194,28 @@ def _parser() -> argparse.ArgumentParser:
 def _execute(args: argparse.Namespace) -> int:
     for path in args.notebooks:
         print(f"executing {path} ...", flush=True)
-        try:
-            meta = execute_notebook(path, force=args.force, timeout=args.timeout)
-        except RefusedError as err:
-            print(f"refused: {err}", file=sys.stderr)
-            return 2
-        hw = meta["stamp"]["gpu_count"], meta["stamp"]["gpu_names"]
-        print(f"  done: profile={meta['profile']} gpus={hw[0]} {sorted(set(hw[1]))}")
+        meta = execute_notebook(path, timeout=args.timeout)
+        hw = meta["stamp"]["gpu_count"], sorted(set(meta["stamp"]["gpu_names"]))
+        print(f"  done: profile={meta['profile']} gpus={hw[0]} {hw[1]}, "
+              f"{len(meta['package_modules'])} modules, records {sorted(meta['records'])}")
     return 0
 
 
 def _check(args: argparse.Namespace) -> int:
-    findings = [f for p in args.notebooks for f in check_notebook(p, allow_cpu=args.allow_cpu)]
+    findings = [f for p in args.notebooks for f in check_notebook(p)]
     for f in findings:
-        print(f"{'pending' if f.pending else 'stale'}: {f}", file=sys.stdout if f.pending
-              else sys.stderr)
-    if stale := sorted({str(f.notebook) for f in findings if not f.pending}):
-        print(f"re-execute on a GPU machine: make execute NB=\"{' '.join(stale)}\"\n"
-              "or, until that can run, mark them: python tools/nbtools.py pending "
-              "NB... --gpus N --reason TEXT", file=sys.stderr)
+        print(f"stale: {f}", file=sys.stderr)
+    if stale := sorted({str(f.notebook) for f in findings}):
+        print(f"re-execute them on any machine: make execute NB=\"{' '.join(stale)}\"",
+              file=sys.stderr)
         return 1
-    held = len({f.notebook for f in findings})
-    print(f"{len(args.notebooks) - held} notebook(s) fresh"
-          + (f", {held} pending re-execution" if held else ""))
-    return 0
-
-
-def _pending(args: argparse.Namespace) -> int:
-    for path in args.notebooks:
-        problems = mark_pending(path, gpus=args.gpus, reason=args.reason)
-        print(f"{path}: pending on {args.gpus} GPU(s): {'; '.join(problems)}" if problems
-              else f"{path}: fresh, no notice needed (an old one is removed)")
+    print(f"{len(args.notebooks)} notebook(s) fresh")
     return 0
 
 
 def _main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return {"execute": _execute, "check": _check, "pending": _pending}[args.command](args)
+    return {"execute": _execute, "check": _check}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ returns the metrics the workers wrote as JSON lines.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -194,3 +196,14 @@ def torchrun(
         raise LaunchError(failure_summary(output, proc.returncode, echo), output)
     metrics = read_jsonl(metrics_file) if metrics_file is not None else []
     return LaunchResult(proc.returncode, output, metrics)
+
+
+def run_worker(module: str, cfg, *, nproc: int, timeout_s: float = 900.0,
+               env: dict[str, str] | None = None, row_type: type | None = None) -> list:
+    """The rows the worker ``module`` wrote, run with ``cfg`` in ``nproc`` processes under
+    torchrun, its ``out`` a temporary file; each row as ``row_type`` (a dataclass) if given."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = dataclasses.replace(cfg, out=Path(tmp) / "rows.jsonl")
+        rows = torchrun(module, cfg.to_argv(), nproc=nproc, timeout_s=timeout_s,
+                        metrics_file=cfg.out, env=env, echo=False).metrics
+    return [row_type(**r) for r in rows] if row_type else rows

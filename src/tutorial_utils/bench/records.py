@@ -1,31 +1,48 @@
-"""Measurements made on more GPUs than a reader may have: dated records under ``book/data``.
+"""GPU measurements as dated records under ``book/data``; everything else runs live.
 
-A record is one JSON-lines file, ``book/data/<name>.jsonl``: a header line (what was measured,
-the command that remakes it, its configuration, the environment stamp with the commit and the
-date, and a hash of every package module the measurement ran), then one line per measured row.
-A chapter reads the record where there is one and measures on the machine at hand where there is
-none (:func:`read_or_measure`); either way it prints where its numbers come from. For a record,
-that line also says which of the modules it ran have changed since, computed when it is read: a
-record is dated, never silently stale. ``make records`` remakes every record, one command per
-chapter (each benchmark's ``--record``).
+A chapter runs its correctness demonstrations on the machine that executes it (CPU processes
+where GPUs are missing), but every number it shows that was measured on a GPU comes from a
+*record*: one JSON-lines file, ``book/data/<name>.jsonl``, whose header says what was measured,
+on how many GPUs, the command that remakes it, its configuration, the environment stamp (the
+machine, the commit, the date), a hash of every package module the measurement ran, and how
+many rows follow. So any machine, a laptop included, can execute the whole book, and each
+record's cell says where and when it was measured and which of its modules changed since.
+
+:func:`measured` is what a chapter calls. It returns the record's rows, or, with
+``TUTORIAL_MEASURE=1`` on a machine with the GPUs the record needs, rows measured there, printed
+beside the record's. ``make records`` remakes the records, one command per chapter (each
+benchmark's ``--record``). A record is written atomically and refused on load when torn.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import json
+import os
 import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 from ..config import to_dict
-from ..jsonl import read_jsonl, write_jsonl
+from ..jsonl import read_jsonl, rewrite_jsonl
 
 PACKAGE = Path(__file__).resolve().parents[1]
 ROOT = PACKAGE.parents[1] / "book" / "data"  # the book's records, beside its chapters
+MEASURE_ENV = "TUTORIAL_MEASURE"  # "1": measure on this machine instead of reading records
+LOG_ENV = "TUTORIAL_MODULE_LOG"  # where the book's executor collects what a chapter used
+
+
+class RecordError(RuntimeError):
+    """A record cannot be written or read as asked; the message says what to do instead."""
+
+
+def measuring() -> bool:
+    """Whether the reader asked the chapters to measure this machine (``TUTORIAL_MEASURE=1``)."""
+    return os.environ.get(MEASURE_ENV, "").strip() == "1"
 
 
 def module_file(module: str, package_root: Path = PACKAGE) -> Path:
@@ -43,6 +60,10 @@ def module_hashes(modules: Iterable[str], package_root: Path = PACKAGE) -> dict[
     return out
 
 
+def _gpus(n: int) -> str:
+    return f"{n} GPU" + ("" if n == 1 else "s")
+
+
 @dataclass(frozen=True)
 class Source:
     """Where a chapter's numbers come from: a record, or a measurement on this machine."""
@@ -50,7 +71,8 @@ class Source:
     text: str  # for the cell's output
     hardware: str  # for figure titles, such as "2 x NVIDIA H200"
     config: dict  # the configuration measured (the record's, or the one measured here)
-    made: str  # for the prose: "a record made on 2 x NVIDIA H200 on 2026-11-30"
+    made: str  # for the prose: "measured on 2 x NVIDIA H200 on 2026-11-30"
+    here: bool = False  # measured on this machine while the chapter ran
 
     def __str__(self) -> str:
         return self.text
@@ -61,6 +83,19 @@ class Record:
     name: str
     header: dict
     rows: list[dict]
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs the measurement needs (and the machine that made it had)."""
+        return self.header.get("gpus", self.header["stamp"]["gpu_count"])
+
+    @property
+    def date(self) -> str:
+        return self.header["stamp"]["date_utc"].split()[0]
+
+    @property
+    def commit(self) -> str:
+        return self.header["stamp"]["git_commit"]
 
     def changed_modules(self, package_root: Path = PACKAGE) -> list[str]:
         """The modules the measurement ran whose source differs now (or no longer exists)."""
@@ -74,54 +109,111 @@ class Record:
         return (f"{stamp['gpu_count']} x {stamp['gpu_names'][0]}" if stamp["gpu_count"]
                 else f"CPU only ({stamp.get('cpu_model', stamp['cpu'])})")
 
-    def describe(self) -> str:
-        """Where, when and by what the numbers were measured, and what changed since."""
-        stamp, source = self.header["stamp"], self.header.get("source")
-        lines = [f"Record {self.name}: measured on {self.hardware}, {stamp['date_utc']} UTC, "
-                 f"commit {stamp['git_commit']}" + (f" ({source})" if source else "") + ".",
-                 f"Remade by: {self.header['command']}"]
+    def changed_text(self) -> str:
+        """Which of the modules it ran changed since, as the cell prints it."""
         changed, total = self.changed_modules(), len(self.header.get("modules", {}))
         if not total:
-            lines.append("The modules it ran were not recorded; its source names their commit.")
-        else:
-            lines.append(f"Modules it ran that changed since: {len(changed)} of {total}"
-                         + (f" ({', '.join(m.removeprefix('tutorial_utils.') for m in changed)})"
-                            if changed else "") + ".")
+            return "The modules it ran were not recorded; its source names their commit."
+        names = ", ".join(m.removeprefix("tutorial_utils.") for m in changed)
+        return (f"Modules it ran that changed since: {len(changed)} of {total}"
+                + (f" ({names})" if changed else "") + ".")
+
+    def describe(self) -> str:
+        """Where, when and by what the numbers were measured, and what changed since."""
+        source = self.header.get("source")
+        lines = [f"Record {self.name}: measured on {self.hardware}, "
+                 f"{self.header['stamp']['date_utc']} UTC, commit {self.commit}"
+                 + (f" ({source})" if source else "") + ".",
+                 f"Remade by: {self.header['command']}", self.changed_text()]
         return "\n".join(textwrap.fill(line, 96, subsequent_indent="  ") for line in lines)
+
+    def typed(self, row_type: type) -> list:
+        """The rows as ``row_type`` (the dataclass the measurement wrote)."""
+        return [from_row(row_type, r) for r in self.rows]
 
 
 def path_of(name: str, root: Path | None = None) -> Path:
     return (root or ROOT) / f"{name}.jsonl"
 
 
+def _log_read(path: Path) -> None:
+    """Tell the book's executor that the chapter read this record (for its stale check)."""
+    if log := os.environ.get(LOG_ENV):
+        try:
+            with open(log, "a") as f:
+                f.write(json.dumps([f"record:{path.resolve()}"]) + "\n")
+        except OSError:
+            pass  # the log must never break the chapter it watches
+
+
 def load(name: str, root: Path | None = None) -> Record | None:
-    """The record ``name``, or None where there is none (a fresh machine, an installed package)."""
-    lines = read_jsonl(path_of(name, root))
+    """The record ``name``, or None where there is none (a fresh machine, an installed package).
+
+    A record whose rows do not number what its header says (a copy cut short) is refused.
+    """
+    path = path_of(name, root)
+    try:
+        lines = read_jsonl(path)
+    except ValueError as err:
+        raise RecordError(f"{err}: the record is damaged; restore it (git checkout {path.name})"
+                          " or remake it (make records)") from None
     if not lines or lines[0].get("event") != "record":
         return None
-    return Record(name, lines[0], lines[1:])
+    header, rows = lines[0], lines[1:]
+    if "rows" in header and header["rows"] != len(rows):
+        raise RecordError(f"{path} holds {len(rows)} of its {header['rows']} rows: it is torn; "
+                          f"restore it (git checkout) or remake it: {header['command']}")
+    _log_read(path)
+    return Record(name, header, rows)
 
 
-def write(name: str, cfg, rows: Sequence[dict], program: str,
-          workers: Sequence[str] = (), root: Path | None = None) -> Path:
-    """Replace the record ``name`` with ``rows`` measured by ``program`` (a module) with
-    ``cfg``; ``workers`` are the modules it launched, hashed with everything it imported."""
+def as_row(row) -> dict:
+    """A row for a record: a dataclass's fields (JSON-safe), or a dict as it is."""
+    return to_dict(row) if is_dataclass(row) else dict(row)
+
+
+def from_row(row_type: type, row: dict):
+    """``row_type`` rebuilt from a record's row; fields it does not know are an error."""
+    known = {f.name for f in fields(row_type)}
+    if unknown := set(row) - known:
+        raise RecordError(f"a row of fields {sorted(unknown)} is not a {row_type.__name__}: "
+                          "the record was made by other code; remake it (make records)")
+    return row_type(**row)
+
+
+def _header(name: str, cfg, program: str, workers: Sequence[str], gpus: int, what: str,
+            n_rows: int) -> dict:
     from ..stamp import environment_stamp
 
+    stamp = environment_stamp()
+    if stamp.gpu_count < gpus:
+        raise RecordError(f"record {name} is a measurement on {_gpus(gpus)}; this machine has "
+                          f"{stamp.gpu_count}: make it on a machine with {_gpus(gpus)}")
     for worker in workers:  # imported here only to be hashed: their code made the rows too
         importlib.import_module(worker)
     mine = [m for m in sys.modules if m.split(".")[0] == "tutorial_utils"]
-    header = {"event": "record", "name": name, "command": command(program, cfg),
-              "config": to_dict(cfg), "stamp": environment_stamp().as_dict(),
-              "modules": module_hashes(mine)}
+    return {"event": "record", "name": name, "what": what, "gpus": gpus,
+            "command": command(program, cfg), "config": to_dict(cfg),
+            "stamp": stamp.as_dict(), "modules": module_hashes(mine), "rows": n_rows}
+
+
+def write(name: str, cfg, rows: Sequence, program: str, workers: Sequence[str] = (),
+          root: Path | None = None, *, gpus: int, what: str = "") -> Path:
+    """Replace the record ``name`` with ``rows`` measured by ``program`` (a module) with
+    ``cfg`` on ``gpus`` GPUs (refused on a machine with fewer); ``workers`` are the modules it
+    launched, hashed with everything it imported. Atomic: a write that fails or is
+    interrupted leaves the old record whole."""
+    rows = [as_row(r) for r in rows]
+    header = _header(name, cfg, program, workers, gpus, what, len(rows))
     path = path_of(name, root)
-    path.unlink(missing_ok=True)
-    write_jsonl(path, [header, *rows])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rewrite_jsonl(path, [header, *rows])
     return path
 
 
 def write_part(name: str, cfg, rows: Sequence[dict], order: Sequence[str], program: str,
-               workers: Sequence[str] = (), root: Path | None = None) -> tuple[Path, int]:
+               workers: Sequence[str] = (), root: Path | None = None, *, gpus: int,
+               what: str = "") -> tuple[Path, int]:
     """Write some runs of a sweep (rows labelled by ``run``) to the record ``name``, keeping the
     other runs of the record already there if it was made with the same configuration, the same
     commit and the same module sources; else the record holds these runs only. The runs stand
@@ -133,13 +225,13 @@ def write_part(name: str, cfg, rows: Sequence[dict], order: Sequence[str], progr
     mine = [m for m in sys.modules if m.split(".")[0] == "tutorial_utils"]
     old, new = load(name, root), {r["run"] for r in rows}
     same = (old is not None and old.header["config"] == to_dict(cfg)
-            and old.header["stamp"]["git_commit"] == environment_stamp().git_commit
+            and old.commit == environment_stamp().git_commit
             and old.header["modules"] == module_hashes(old.header["modules"])
             and set(old.header["modules"]) <= set(mine))
     kept = [r for r in old.rows if r["run"] not in new] if same else []
     rank = {label: i for i, label in enumerate(order)}
     combined = sorted([*kept, *rows], key=lambda r: rank.get(r["run"], len(rank)))  # stable
-    path = write(name, cfg, combined, program, workers, root)
+    path = write(name, cfg, combined, program, workers, root, gpus=gpus, what=what)
     return path, len({r["run"] for r in kept})
 
 
@@ -148,20 +240,103 @@ def command(program: str, cfg) -> str:
     return shlex.join(["python", "-m", program, *cfg.to_argv()])
 
 
-def read_or_measure(name: str, measure: Callable[[], list[dict]],
-                    cfg=None) -> tuple[list[dict], Source]:
-    """The rows of the record ``name`` if there is one, else ``measure()``'s (with ``cfg``);
-    and a :class:`Source` that says which."""
+@dataclass(frozen=True)
+class Compare:
+    """How a chapter sets this machine's rows beside its record's: the fields that name a row
+    and the one number to compare, with its heading."""
+
+    keys: tuple[str, ...]
+    value: str
+    heading: str
+    fmt: str = ".2f"
+
+    def table(self, record: list, here: list, record_hw: str, here_hw: str) -> str:
+        """One line per row of either: its name, the record's value, this machine's."""
+        from .report import Column, table
+
+        def keyed(rows: list) -> dict:
+            return {tuple(str(_get(r, k)) for k in self.keys): _get(r, self.value)
+                    for r in rows}
+
+        theirs, mine = keyed(record), keyed(here)
+        names = list(dict.fromkeys([*theirs, *mine]))
+        width = max([len(" ".join(n)) for n in names] + [len(self.heading)]) + 2
+        rows = [{"name": " ".join(n), "record": theirs.get(n), "here": mine.get(n)}
+                for n in names]
+        cols = [Column("name", self.heading, width=width, left=True),
+                Column("record", f"record: {record_hw}", self.fmt, len(record_hw) + 10),
+                Column("here", f"this machine: {here_hw}", self.fmt, len(here_hw) + 16)]
+        return table(rows, cols)
+
+
+def _get(row, key: str):
+    return row.get(key) if isinstance(row, dict) else getattr(row, key, None)
+
+
+def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
+             row_type: type | None = None, compare: Compare | None = None,
+             stand_in: Callable[[], list] | None = None,
+             stand_in_where: str = "CPU processes") -> tuple[list, Source]:
+    """A chapter's GPU measurement ``name`` on ``gpus`` GPUs: its rows and where they come from.
+
+    - ``TUTORIAL_MEASURE=1`` on a machine with ``gpus`` GPUs: ``measure()`` runs here, and the
+      text sets its rows beside the record's (``compare``).
+    - Otherwise the record's rows; a machine with the GPUs is told how to measure itself.
+    - No record yet: ``stand_in()`` if given (a small run in CPU processes, said to be one),
+      else no rows and a text that says the measurement is pending and how to make it.
+    ``row_type``: the dataclass the rows are read back as.
+    """
+    from ..devices import gpu_count
     from ..stamp import environment_stamp
 
-    record = load(name)
-    if record is not None:
-        made = (f"a record made on {record.hardware} on "
-                f"{record.header['stamp']['date_utc'].split()[0]}")
-        return record.rows, Source(record.describe(), record.hardware, record.header["config"],
-                                   made)
-    rows, hardware = measure(), environment_stamp().hardware
-    text = (f"No record {name} yet: measured here, on {hardware} (`make records` makes the "
-            "record on a machine with the GPUs it needs).")
-    return rows, Source(text, hardware, to_dict(cfg) if cfg is not None else {},
-                        f"this machine ({hardware})")
+    have, record = gpu_count(), load(name)
+    rows = record.typed(row_type) if record is not None and row_type else \
+        (record.rows if record is not None else [])
+    make = f"`make records` on a machine with {_gpus(gpus)} makes it"
+    if measuring() and have >= gpus:
+        here, hardware = measure(), environment_stamp().hardware
+        lines = [f"Measured here, on {hardware} ({MEASURE_ENV}=1)."]
+        if record is not None:
+            lines.append(f"Beside it, record {name}: {record.hardware}, {record.date}, "
+                         f"commit {record.commit}.")
+            if cfg is not None and (differ := _differences(record.header["config"], cfg)):
+                lines.append(f"Its settings differ: {differ}.")
+            if compare is not None:
+                lines += ["", compare.table(rows, here, record.hardware, hardware)]
+        else:
+            lines.append(f"No record {name} to set beside it yet ({make}).")
+        return here, Source("\n".join(lines), hardware, to_dict(cfg) if cfg else {},
+                            f"measured here on {hardware}", here=True)
+    if record is None:
+        return _without_record(name, gpus, have, make, stand_in, stand_in_where, cfg)
+    text = record.describe()
+    if measuring():
+        text += (f"\n{MEASURE_ENV}=1, but this machine has {have} GPU(s) and the measurement "
+                 f"needs {gpus}: the record's numbers follow.")
+    elif gpus and have >= gpus:
+        text += (f"\nThis machine has {_gpus(have)}: {MEASURE_ENV}=1 measures them instead of "
+                 "reading this record.")
+    made = f"measured on {record.hardware} on {record.date}"
+    return rows, Source(text, record.hardware, record.header["config"], made)
+
+
+def _without_record(name, gpus, have, make, stand_in, where, cfg) -> tuple[list, Source]:
+    from ..stamp import environment_stamp
+
+    own = (f" This machine has {_gpus(have)}: {MEASURE_ENV}=1 measures them." if gpus
+           and have >= gpus else "")
+    if stand_in is None:
+        text = f"Pending: no record {name} yet; {make}.{own}"
+        return [], Source(textwrap.fill(text, 96), "", {}, "pending")
+    rows, cpu = stand_in(), environment_stamp().cpu_model
+    text = (f"No record {name} yet ({make}): measured here instead, in {where} on this "
+            f"machine's CPU ({cpu}), at a small size: not a GPU measurement.{own}")
+    return rows, Source(textwrap.fill(text, 96), f"{where} ({cpu})",
+                        to_dict(cfg) if cfg else {}, f"{where} on this machine's CPU", here=True)
+
+
+def _differences(theirs: dict, cfg) -> str:
+    """The settings of a record that differ from ``cfg``'s, as "name record/here"."""
+    mine = to_dict(cfg)
+    return ", ".join(f"{k} {theirs.get(k)} there, {v} here" for k, v in mine.items()
+                     if k not in ("record", "out") and theirs.get(k) != v)
