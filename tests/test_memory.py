@@ -12,11 +12,11 @@ from tutorial_utils.memory import (
     bytes_per_param,
     checkpointed,
     saved_tensors,
-    train_step,
     zero_table,
 )
 from tutorial_utils.models import wide_resnet
 from tutorial_utils.solutions.ch05c import CheckpointedOnce, adam_breakdown, gpus_needed
+from tutorial_utils.step import train_step
 
 matplotlib.use("Agg")
 

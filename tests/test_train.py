@@ -13,8 +13,9 @@ from tutorial_utils.config import ConfigError, parse
 from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.devices import gpu_count
 from tutorial_utils.parallel.distributed import DistContext
+from tutorial_utils.step import predict
 from tutorial_utils.train import TrainConfig, main, run
-from tutorial_utils.trainer import lr_factor, predict
+from tutorial_utils.trainer import lr_factor
 
 CPU = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -426,7 +427,7 @@ def test_a_diverging_run_ends_in_one_line(capsys, tmp_path):
 
 
 def test_gradient_accumulation_gives_the_gradients_of_the_whole_batch():
-    from tutorial_utils.trainer import accumulate, forward_loss
+    from tutorial_utils.step import accumulate, forward_loss
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(),

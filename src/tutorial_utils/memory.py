@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .models.wrn import BasicBlock
+from .step import forward_loss, train_step
 from .timing import synchronize
-from .trainer import forward_loss, train_step
 
 PARTS = ("parameters", "gradients", "optimizer", "weight_copies", "activations")
 

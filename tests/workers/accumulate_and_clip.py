@@ -2,7 +2,7 @@
 
 Rank 0 writes one JSON line to the path given as the only argument:
 - ``accum_diff``: the largest gradient difference between DDP with 4 micro-batches per rank
-  (``trainer.accumulate``) and one process on the whole batch;
+  (``step.accumulate``) and one process on the whole batch;
 - ``buckets_k1``, ``buckets_k4``: how many buckets DDP all-reduced in each case (no_sync:
   the same number, once per step);
 - ``norm_fsdp``, ``norm_reference``: the global gradient norm ``clip_grad_norm_`` found on
@@ -32,7 +32,8 @@ from tutorial_utils.jsonl import write_jsonl
 from tutorial_utils.models import ghost_batchnorm
 from tutorial_utils.parallel.ddp import ddp
 from tutorial_utils.parallel.distributed import distributed
-from tutorial_utils.trainer import Trainer, accumulate
+from tutorial_utils.step import accumulate
+from tutorial_utils.trainer import Trainer
 
 
 def net():

@@ -23,8 +23,8 @@ from ..memory import (
     zero_table,
 )
 from ..models import wide_resnet
+from ..step import train_step
 from ..timing import benchmark, cudnn_autotuning
-from ..trainer import train_step
 from .report import Column, legend_outside, table
 
 MiB, GiB = 2**20, 2**30

@@ -39,8 +39,8 @@ from ..parallel.model_parallel import (
     pipeline_ms,
     split_sequential,
 )
+from ..step import forward_loss
 from ..timing import benchmark, cudnn_autotuning
-from ..trainer import forward_loss
 from ..workers.pipeline_stage import PipelineConfig
 from . import records
 from .report import Column, legend_outside, table

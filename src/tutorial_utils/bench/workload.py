@@ -2,7 +2,7 @@
 
 Chapter 2's ladder, chapter 4's DataParallel/DDP comparison and chapter 5b's scaling benchmark
 all time the same step (forward, loss, backward, SGD update:
-:func:`tutorial_utils.trainer.train_step`), so they build it here: :func:`make_train_step` in
+:func:`tutorial_utils.step.train_step`), so they build it here: :func:`make_train_step` in
 this process for each :class:`Rung` of optimisations, :func:`time_data_parallel` with
 ``nn.DataParallel``, and :func:`time_ddp` in N processes under torchrun
 (:mod:`tutorial_utils.bench.workers.step_timing`, configured by a :class:`StepTimingConfig`).
@@ -24,6 +24,7 @@ from ..config import Config, check, check_wrn, opt
 from ..launch import torchrun
 from ..models import wide_resnet
 from ..parallel.data_parallel import make_data_parallel
+from ..step import train_step
 from ..timing import (
     Timing,
     benchmark,
@@ -33,7 +34,6 @@ from ..timing import (
     synchronize,
     tf32_enabled,
 )
-from ..trainer import train_step
 
 STEP_TIMING = "tutorial_utils.bench.workers.step_timing"
 

@@ -36,7 +36,7 @@ from ...config import Config, check, check_wrn, opt, parse_or_exit
 from ...jsonl import write_jsonl
 from ...models import wide_resnet
 from ...parallel.distributed import DistContext, distributed
-from ...trainer import forward_loss
+from ...step import forward_loss
 from .. import timeline
 from .common import fresh_batches, group_of_one, time_steps
 

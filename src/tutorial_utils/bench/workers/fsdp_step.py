@@ -37,8 +37,8 @@ from ...jsonl import write_jsonl
 from ...models import wide_resnet
 from ...parallel.distributed import DistContext, distributed
 from ...parallel.fsdp import compile_blocks_of, local_bytes, shard
+from ...step import forward_loss
 from ...step_graph import StepGraph
-from ...trainer import forward_loss
 from ..timeline import profile_steps
 from .common import fresh_batches, group_of_one, time_steps
 

@@ -29,9 +29,9 @@ from ...models import wide_resnet
 from ...parallel.collectives import measure_bus_bandwidth
 from ...parallel.ddp import compile_for_ddp, ddp
 from ...parallel.distributed import DistContext, distributed
+from ...step import forward_loss
 from ...step_graph import StepGraph
 from ...timing import benchmark, host_clock_without_sync, synchronize
-from ...trainer import forward_loss
 from ..timeline import profile_steps
 from ..workload import StepTimingConfig
 
