@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from tutorial_utils.bench.one_gpu import (
@@ -29,10 +30,10 @@ def test_train_step_trains():
 
 def test_ladder_on_cpu_measures_all_but_the_gpu_only_rung():
     results = measure_ladder(TINY, CPU, rungs=LADDER[:4])
-    assert [r.rung.name for r in results] == [r.name for r in LADDER[:4]]
-    skipped = [r for r in results if r.timing is None]
-    assert [r.rung.name for r in skipped] == ["tf32"] and "GPU" in skipped[0].skipped
-    assert all(r.images_per_s > 0 and r.host_ms > 0 for r in results if r.timing)
+    assert [r.rung for r in results] == [r.name for r in LADDER[:4]]
+    skipped = [r for r in results if r.ms is None]
+    assert [r.rung for r in skipped] == ["tf32"] and "GPU" in skipped[0].skipped
+    assert all(r.images_per_s > 0 and r.host_ms > 0 for r in results if r.ms)
     table = ladder_table(results)
     assert "skipped" in table and "1.00x" in table
 
@@ -41,14 +42,36 @@ def test_cuda_graph_rung_is_gpu_only_and_says_why():
     graphs = LADDER[-1]
     assert graphs.compile_mode == "reduce-overhead"
     (result,) = measure_ladder(TINY, CPU, rungs=(graphs,))
-    assert result.timing is None and "CUDA graphs" in result.skipped
+    assert result.ms is None and "CUDA graphs" in result.skipped
 
 
-def test_flop_count_scales_with_batch():
-    one = step_tflop(Workload("wrn-10-1", 1, 0, 1), CPU)
-    four = step_tflop(Workload("wrn-10-1", 4, 0, 1), CPU)
+def test_flop_count_scales_with_batch_and_is_what_a_real_step_runs():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    one = step_tflop(Workload("wrn-10-1", 1, 0, 1))
+    four = step_tflop(Workload("wrn-10-1", 4, 0, 1))
     assert one > 0 and abs(four / one - 4) < 0.01
+    step = make_train_step(LADDER[0], Workload("wrn-10-1", 4, 0, 1), CPU)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    assert counter.get_total_flops() / 1e12 == four, "the meta count is the real step's"
 
 
 def test_copy_bandwidth_is_skipped_without_gpu():
     assert host_to_device_gbps(1024, CPU, pinned=False) is None
+
+
+def test_the_synchronisation_probe_needs_a_gpu_only_to_run():
+    from tutorial_utils.bench.one_gpu import SyncRow, sync_summary
+
+    rows = [SyncRow("lr a number", 10.0, "none"), SyncRow("lr a tensor", 11.0, "called a sync"),
+            SyncRow("stats per batch", 12.0, "called a sync"), SyncRow("stats made once", 8.0,
+                                                                      "none")]
+    assert sync_summary(rows) == {"sync_cost": pytest.approx(0.1), "stats_cost": 0.5}
+
+
+def test_the_toy_moves_to_a_device_with_its_result_unchanged_up_to_rounding():
+    from tutorial_utils.bench.one_gpu import relative_error
+    from tutorial_utils.toy import toy_input, toy_model
+
+    assert relative_error(toy_model(), toy_input(), CPU) == 0.0

@@ -35,13 +35,12 @@ def test_ch1_two_backward_passes_equal_one_with_twice_the_gradient():
 def test_ch2_break_even_of_a_slow_first_step():
     from tutorial_utils.bench.one_gpu import break_even_steps
     from tutorial_utils.bench.workload import LADDER, RungResult
-    from tutorial_utils.timing import Timing
 
     # 10 s first step, 20 ms eager, 10 ms graphed: (10000 - 10) / 10 steps
     assert break_even_steps(10_000, 20, 10) == pytest.approx(999)
     assert math.isnan(break_even_steps(10_000, 10, 20))  # nothing saved, never pays back
-    results = [RungResult(r, Timing((20.0,)), 8, first_step_ms=10_000) for r in LADDER[:-1]]
-    results.append(RungResult(LADDER[-1], Timing((10.0,)), 8, first_step_ms=10_000))
+    results = [RungResult(r.name, 8, 20.0, first_ms=10_000) for r in LADDER[:-1]]
+    results.append(RungResult(LADDER[-1].name, 8, 10.0, first_ms=10_000))
     assert ch02.graphs_break_even(results) == pytest.approx(999)
 
 

@@ -166,6 +166,7 @@ def test_a_process_killed_by_a_signal_has_logged_what_it_ran(tmp_path):
 # --- records: a chapter that read one is stale once it is remade or its modules change --------
 
 _READING_CELL = """\
+from tutorial_utils.bench import records
 print(records.load("tiny", root=%r).rows)
 """
 

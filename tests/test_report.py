@@ -45,9 +45,9 @@ def test_ladder_bars_are_horizontal_with_labels_that_do_not_collide():
     fig = plot_ladder(results, "ladder")
     fig.canvas.draw()
     ax = fig.axes[0]
-    measured = [r for r in results if r.timing is not None]
+    measured = [r for r in results if r.ms is not None]
     names = [t.get_text() for t in ax.get_yticklabels()]
-    assert names == [r.rung.name for r in measured]  # the first rung on top
+    assert names == [r.rung for r in measured]  # the first rung on top
     widths = [p.get_width() for p in ax.patches]
     assert widths == pytest.approx([r.images_per_s for r in measured])
     renderer = fig.canvas.get_renderer()

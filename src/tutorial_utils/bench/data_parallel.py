@@ -67,8 +67,8 @@ def run(size: DataParallelConfig) -> tuple[list[Row], dict]:
     singles = [workload.measure_rung(workload.LADDER[3], size, dev)]
     if graphs and on_gpu:
         singles.append(workload.measure_rung(workload.LADDER[-1], size, dev))
-    rows = [Row(f"1 GPU, {r.rung.name.lstrip('+ ')}" if on_gpu else f"CPU, {r.rung.name}", 1,
-                r.timing.median_ms) for r in singles]
+    rows = [Row(f"1 GPU, {r.rung.lstrip('+ ')}" if on_gpu else f"CPU, {r.rung}", 1, r.ms)
+            for r in singles]
     if on_gpu:
         for flag in (True, False):
             ms = workload.time_data_parallel(size, n_gpus, cudnn_benchmark=flag)

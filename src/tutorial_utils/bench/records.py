@@ -133,7 +133,7 @@ class Record:
 
 
 def path_of(name: str, root: Path | None = None) -> Path:
-    return (root or ROOT) / f"{name}.jsonl"
+    return Path(root or ROOT) / f"{name}.jsonl"
 
 
 def _log_read(path: Path) -> None:

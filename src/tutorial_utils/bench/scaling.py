@@ -118,9 +118,9 @@ def single(cfg: ScalingConfig, batch: int, mode: str, device: str) -> Run:
     # with a symbolic batch dimension, which is slower than either specialised graph.
     torch.compiler.reset()
     result = measure_rung(MODES[mode], size, dev)
-    if result.timing is None:
+    if result.ms is None:
         raise RuntimeError(f"{mode} cannot run here: {result.skipped}")
-    return Run("single", "1 GPU", mode, 1, batch, result.timing.median_ms)
+    return Run("single", "1 GPU", mode, 1, batch, result.ms)
 
 
 def ddp_run(cfg: ScalingConfig, per_gpu: int, n: int, mode: str, regime: str,

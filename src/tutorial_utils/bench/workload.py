@@ -100,16 +100,19 @@ LADDER: tuple[Rung, ...] = (
 
 @dataclass(frozen=True)
 class RungResult:
-    rung: Rung
-    timing: Timing | None
+    """One rung timed: a row of chapter 2's ladder (and of its record)."""
+
+    rung: str  # the Rung's name
     batch: int
-    first_step_ms: float | None = None
+    ms: float | None = None  # median step time
+    spread: float | None = None  # interquartile range over the median
     host_ms: float | None = None  # time for the host to queue one step (no synchronisation)
-    skipped: str | None = None
+    first_ms: float | None = None  # the first, cold step
+    skipped: str | None = None  # why it was not measured here
 
     @property
     def images_per_s(self) -> float | None:
-        return None if self.timing is None else self.batch / self.timing.median_ms * 1e3
+        return None if self.ms is None else self.batch / self.ms * 1e3
 
 
 def skip_reason(rung: Rung, device: torch.device) -> str | None:
@@ -150,7 +153,7 @@ def make_train_step(rung: Rung, size: Workload, device: torch.device) -> TrainSt
 def measure_rung(rung: Rung, size: Workload, device: torch.device) -> RungResult:
     reason = skip_reason(rung, device)
     if reason:
-        return RungResult(rung, None, size.batch, skipped=reason)
+        return RungResult(rung.name, size.batch, skipped=reason)
     # cuDNN autotuning on: the shapes never change (every benchmark times it that way)
     with tf32_enabled(rung.tf32), cudnn_autotuning():
         step = make_train_step(rung, size, device)
@@ -158,7 +161,8 @@ def measure_rung(rung: Rung, size: Workload, device: torch.device) -> RungResult
         timing = benchmark(step, warmup=size.warmup, repeats=size.repeats, device=device)
         host = host_clock_without_sync(step, repeats=3)
         synchronize(device)
-    return RungResult(rung, timing, size.batch, first_step_ms=first, host_ms=host.median_ms)
+    return RungResult(rung.name, size.batch, timing.median_ms, timing.spread, host.median_ms,
+                      first)
 
 
 def time_data_parallel(size: Workload, n_gpus: int, cudnn_benchmark: bool) -> float:

@@ -10,5 +10,4 @@ def graphs_break_even(results: list[RungResult]) -> float:
     """Exercise 1: steps after which the CUDA-graphs rung's slow first step has paid for itself
     against the eager channels_last rung, from the ladder's results."""
     eager, graphs = results[3], results[-1]
-    return break_even_steps(graphs.first_step_ms, eager.timing.median_ms,
-                            graphs.timing.median_ms)
+    return break_even_steps(graphs.first_ms, eager.ms, graphs.ms)
