@@ -1,17 +1,26 @@
 """Chapter 5c's measurements: the memory of a training step per batch size, and checkpointing.
 
+    python -m tutorial_utils.bench.memory --record     # remakes the chapter's four records
+
 :func:`activation_curve` measures one :func:`~tutorial_utils.memory.breakdown` per batch
 size, each with a fresh network and nothing else alive on the device; :func:`checkpoint_cost`
-measures the plain network against checkpointed ones, bytes and step time. The rest presents:
-tables, the two figures, and the flat summaries the chapter glues.
+measures the plain network against checkpointed ones, bytes and step time;
+:func:`allocator_trace` records the CUDA allocator's history over a few steps. On a GPU these
+are GPU measurements, which the chapter reads from records (:mod:`.records`); without a record
+the breakdowns are counted on the CPU instead, with no allocator peak. The rest presents:
+tables, the figures, and the flat summaries the chapter glues.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+from dataclasses import dataclass
 
 import torch
 
+from ..config import Config, ConfigError, check, check_wrn, opt, parse_or_exit
+from ..devices import gpu_count
 from ..memory import (
     PARTS,
     Breakdown,
@@ -22,14 +31,64 @@ from ..memory import (
     record_allocations,
     zero_table,
 )
-from ..models import wide_resnet
+from ..models.wrn import wide_resnet
 from ..step import train_step
 from ..timing import benchmark, cudnn_autotuning
+from . import records
 from .report import Column, legend_outside, table
 
 MiB, GiB = 2**20, 2**30
 LABELS = {"parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer state",
           "weight_copies": "bf16 weight copies", "activations": "activations"}
+
+
+NAMES = ("05c-curve", "05c-wide", "05c-checkpointing", "05c-allocator")
+WHAT = ("Chapter 5c: the bytes of one training step per batch size, and the allocator's peak",
+        "Chapter 5c: the bytes of one training step of a twice wider network",
+        "Chapter 5c: activation checkpointing, memory against step time",
+        "Chapter 5c: the CUDA allocator's history over steps of growing batches")
+
+
+@dataclass
+class MemoryConfig(Config):
+    """Chapter 5c's measurements on one GPU, each written as one of its records."""
+
+    model: str = opt("wrn-28-10", "the network, WRN-depth-width")
+    batches: tuple[int, ...] = opt((32, 64, 128, 256, 512, 1024), "batch sizes of the curve")
+    ref: int = opt(128, "the batch the chapter discusses, one of --batches")
+    wide: str = opt("wrn-28-20", "the wider network, measured at --ref")
+    ckpt_batch: int = opt(512, "the batch of the checkpointing comparison")
+    segments: tuple[int, ...] = opt((0, 1, 4), "blocks per checkpointed segment (0: plain)")
+    warmup: int = opt(5, "untimed steps first")
+    repeats: int = opt(20, "timed steps; the median is reported")
+    alloc_batches: tuple[int, ...] = opt((128, 192, 256), "the allocator's steps, in order")
+    record: bool = opt(False, f"write the results as the records {', '.join(NAMES)}")
+
+    def __post_init__(self) -> None:
+        check_wrn(self.model)
+        check_wrn(self.wide, "--wide")
+        check((self.ref in self.batches, f"--ref {self.ref} must be one of --batches"),
+              (all(b >= 1 for b in (*self.batches, self.ckpt_batch, *self.alloc_batches)),
+               "every batch must be >= 1"),
+              (len(self.segments) >= 2 and self.segments[0] == 0,
+               "--segments must start with 0 (the plain network) and name one more"),
+              (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
+
+
+@dataclass
+class CheckpointRow:
+    segment: int  # blocks per checkpointed segment; 0: the plain network
+    step_ms: float
+    breakdown: Breakdown
+
+
+@dataclass
+class AllocatorTrace:
+    batches: list[int]
+    timeline: list[list[int]]  # (allocated, reserved) bytes after each allocator event
+    ends: list[int]  # the event at which each step ended
+    state: dict[str, int]  # reserved, allocated, free and the largest free block at the end
+    figure_png: str | None = None  # only in a record made from a chapter's stored figure
 
 
 def build(model_name: str, batch: int, device, segment: int = 0):
@@ -63,7 +122,7 @@ def activation_curve(model_name: str, batches, device="cpu", segment: int = 0) -
 
 
 def checkpoint_cost(model_name: str, batch: int, device="cpu", segments=(0, 1),
-                    warmup: int = 3, repeats: int = 10) -> list[dict]:
+                    warmup: int = 3, repeats: int = 10) -> list[CheckpointRow]:
     """Breakdown and median step time (ms) of the plain network (segment 0) and checkpointed."""
     rows = []
     for segment in segments:
@@ -72,13 +131,13 @@ def checkpoint_cost(model_name: str, batch: int, device="cpu", segments=(0, 1),
             model, optimizer, (x, y) = build(model_name, batch, device, segment)
             timing = benchmark(lambda m=model, o=optimizer, a=x, b=y: train_step(m, o, a, b),
                                warmup=warmup, repeats=repeats, device=device)
-        rows.append({"segment": segment, "breakdown": mem, "step_ms": timing.median_ms})
+        rows.append(CheckpointRow(segment, timing.median_ms, mem))
         del model, optimizer, x, y
         release(device)
     return rows
 
 
-def allocator_trace(model_name: str, batches, device) -> dict:
+def allocator_trace(model_name: str, batches, device) -> AllocatorTrace:
     """One training step at each batch of ``batches`` in turn, on one network, with the CUDA
     allocator's history recorded: (allocated, reserved) after every event, the event at which
     each step ended, and the segments' state at the end (:func:`~tutorial_utils.memory.
@@ -90,7 +149,7 @@ def allocator_trace(model_name: str, batches, device) -> dict:
     return out
 
 
-def _record_steps(model_name: str, batches: list[int], device) -> dict:
+def _record_steps(model_name: str, batches: list[int], device) -> AllocatorTrace:
     model, optimizer, _ = build(model_name, batches[0], device)
     dev = torch.device(device).index or 0
     ends, queue = [], list(batches)
@@ -103,20 +162,27 @@ def _record_steps(model_name: str, batches: list[int], device) -> dict:
 
     with cudnn_autotuning():
         snap = record_allocations(step, steps=len(batches))
-    return {"batches": batches, "timeline": allocation_timeline(snap, dev), "ends": ends,
-            "state": fragmentation(snap)}
+    timeline = [list(point) for point in allocation_timeline(snap, dev)]
+    return AllocatorTrace(batches, timeline, ends, fragmentation(snap))
 
 
-def plot_allocator(trace: dict, title: str):
-    """Allocated against reserved memory over the allocator's events, one shade per step."""
+def plot_allocator(trace: AllocatorTrace, title: str):
+    """Allocated against reserved memory over the allocator's events, one shade per step (a
+    record made from a chapter's stored output holds the figure as that output showed it)."""
+    if trace.figure_png:
+        import base64
+
+        from IPython.display import Image
+
+        return Image(data=base64.b64decode(trace.figure_png))
     import matplotlib.pyplot as plt
 
-    allocated, reserved = zip(*trace["timeline"], strict=True)
+    allocated, reserved = zip(*trace.timeline, strict=True)
     fig, ax = plt.subplots(figsize=(7.5, 3.4))
     ax.plot([a / MiB for a in allocated], lw=0.8, label="allocated (live tensors)")
     ax.plot([r / MiB for r in reserved], lw=1.6, label="reserved (the allocator's segments)")
     start = 0
-    for i, (batch, end) in enumerate(zip(trace["batches"], trace["ends"], strict=True)):
+    for i, (batch, end) in enumerate(zip(trace.batches, trace.ends, strict=True)):
         if i % 2:
             ax.axvspan(start, end, color="0.93", zorder=0)
         ax.text((start + end) / 2, 0.02, f"batch {batch}", transform=ax.get_xaxis_transform(),
@@ -205,28 +271,27 @@ def segment_label(segment: int) -> str:
     return "plain" if segment == 0 else f"checkpoint every {segment} block(s)"
 
 
-def checkpoint_table(rows: list[dict]) -> str:
+def checkpoint_table(rows: list[CheckpointRow]) -> str:
     cols = [Column("label", "network", width=30, left=True), Column("act", "saved MiB", ".1f", 11),
             Column("peak", "peak MiB", ".1f", 10), Column("ms", "step ms", ".1f", 9),
             Column("slower", "time", ".2f", 7)]
-    base = rows[0]["step_ms"]
-    return table([{"label": segment_label(r["segment"]), "ms": r["step_ms"],
-                   "slower": r["step_ms"] / base,
-                   "act": (r["breakdown"].activations + r["breakdown"].weight_copies) / MiB,
-                   "peak": r["breakdown"].peak / MiB if r["breakdown"].peak else None}
+    base = rows[0].step_ms
+    return table([{"label": segment_label(r.segment), "ms": r.step_ms, "slower": r.step_ms / base,
+                   "act": (r.breakdown.activations + r.breakdown.weight_copies) / MiB,
+                   "peak": r.breakdown.peak / MiB if r.breakdown.peak else None}
                   for r in rows], cols)
 
 
-def plot_checkpointing(rows: list[dict], title: str):
+def plot_checkpointing(rows: list[CheckpointRow], title: str):
     """Memory against step time, one point per network (the peak on a GPU, else the sum)."""
     import matplotlib.pyplot as plt
 
-    measured = all(r["breakdown"].peak for r in rows)
+    measured = all(r.breakdown.peak for r in rows)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for r in rows:
-        b = r["breakdown"]
-        ax.plot(r["step_ms"], (b.peak if measured else b.total) / MiB, "o", markersize=9,
-                label=segment_label(r["segment"]))
+        b = r.breakdown
+        ax.plot(r.step_ms, (b.peak if measured else b.total) / MiB, "o", markersize=9,
+                label=segment_label(r.segment))
     ax.set_xlabel("training step (ms, median)")
     ax.set_ylabel("measured peak (MiB)" if measured else "sum of the parts (MiB, no GPU)")
     ax.set_title(title, fontsize=10)
@@ -286,18 +351,96 @@ def curve_summary(curve: list[Breakdown], ref_batch: int, capacity: int | None) 
     return out
 
 
-def checkpoint_summary(rows: list[dict], names=("plain", "block", "group")) -> dict:
+def checkpoint_summary(rows: list[CheckpointRow], names=("plain", "block", "group")) -> dict:
     """Per network (named by position): bytes saved for backward, peak, step time, and the
     memory saved and time lost against the plain network (the first row)."""
     nan, out = float("nan"), {}
     base = rows[0]
     for name, r in zip(names, rows, strict=True):
-        b, b0 = r["breakdown"], base["breakdown"]
-        out |= {f"ck_{name}_segment": r["segment"], f"ck_{name}_ms": r["step_ms"],
+        b, b0 = r.breakdown, base.breakdown
+        out |= {f"ck_{name}_segment": r.segment, f"ck_{name}_ms": r.step_ms,
                 f"ck_{name}_saved_mib": (b.activations + b.weight_copies) / MiB,
                 f"ck_{name}_peak_mib": b.peak / MiB if b.peak else nan,
                 f"ck_{name}_saved_frac": (b.activations + b.weight_copies)
                 / (b0.activations + b0.weight_copies),
                 f"ck_{name}_peak_cut_pct": 100 * (1 - b.peak / b0.peak) if b.peak else nan,
-                f"ck_{name}_slower_pct": 100 * (r["step_ms"] / base["step_ms"] - 1)}
-    return out | {"ck_model": base["breakdown"].model.upper(), "ck_batch": base["breakdown"].batch}
+                f"ck_{name}_slower_pct": 100 * (r.step_ms / base.step_ms - 1)}
+    return out | {"ck_model": base.breakdown.model.upper(), "ck_batch": base.breakdown.batch}
+
+
+def allocator_summary(trace: AllocatorTrace) -> dict[str, float]:
+    peak = max(a for a, _ in trace.timeline) if trace.timeline else trace.state["peak"]
+    return {"alloc_peak_mib": peak / MiB, "alloc_reserved_mib": trace.state["reserved"] / MiB,
+            "alloc_allocated_mib": trace.state["allocated"] / MiB,
+            "alloc_free_mib": trace.state["free"] / MiB,
+            "alloc_largest_free_mib": trace.state["largest_free"] / MiB,
+            "alloc_events": len(trace.timeline) or trace.state["events"]}
+
+
+# --- what the chapter calls: the record, or this machine with TUTORIAL_MEASURE=1 --------------
+
+def _gpu() -> torch.device:
+    return torch.device("cuda:0")
+
+
+def curve(cfg: MemoryConfig) -> tuple[list[Breakdown], records.Source]:
+    """One breakdown per batch of ``cfg.batches``: the record's (with the GPU's peaks), this
+    GPU's, or, with neither, counted on the CPU."""
+    return records.measured(
+        NAMES[0], lambda: activation_curve(cfg.model, cfg.batches, _gpu()), gpus=1, cfg=cfg,
+        row_type=Breakdown, compare=records.Compare(("model", "batch"), "peak", "peak bytes",
+                                                    ".3e"),
+        stand_in=lambda: activation_curve(cfg.model, cfg.batches, "cpu"),
+        stand_in_where="this process")
+
+
+def wide(cfg: MemoryConfig) -> tuple[list[Breakdown], records.Source]:
+    return records.measured(
+        NAMES[1], lambda: activation_curve(cfg.wide, [cfg.ref], _gpu()), gpus=1, cfg=cfg,
+        row_type=Breakdown, compare=records.Compare(("model", "batch"), "peak", "peak bytes",
+                                                    ".3e"),
+        stand_in=lambda: activation_curve(cfg.wide, [cfg.ref], "cpu"),
+        stand_in_where="this process")
+
+
+def checkpointing(cfg: MemoryConfig) -> tuple[list[CheckpointRow], records.Source]:
+    def measure(device):
+        return lambda: checkpoint_cost(cfg.model, cfg.ckpt_batch, device, cfg.segments,
+                                       cfg.warmup, cfg.repeats)
+
+    return records.measured(
+        NAMES[2], measure(_gpu()), gpus=1, cfg=cfg, row_type=CheckpointRow,
+        compare=records.Compare(("segment",), "step_ms", "segment: step ms"),
+        stand_in=measure("cpu"), stand_in_where="this process")
+
+
+def allocator(cfg: MemoryConfig) -> tuple[list[AllocatorTrace], records.Source]:
+    """The allocator's history: a GPU's only (the CPU has no caching allocator to record)."""
+    return records.measured(
+        NAMES[3], lambda: [allocator_trace(cfg.model, cfg.alloc_batches, _gpu())], gpus=1,
+        cfg=cfg, row_type=AllocatorTrace)
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_or_exit(MemoryConfig, argv, __spec__.name, _one_gpu)
+    gpu = _gpu()
+    rows = [activation_curve(cfg.model, cfg.batches, gpu),
+            activation_curve(cfg.wide, [cfg.ref], gpu),
+            checkpoint_cost(cfg.model, cfg.ckpt_batch, gpu, cfg.segments, cfg.warmup,
+                            cfg.repeats),
+            [allocator_trace(cfg.model, cfg.alloc_batches, gpu)]]
+    print(curve_table(rows[0]), checkpoint_table(rows[2]), sep="\n\n")
+    if cfg.record:
+        shown = dataclasses.replace(cfg, record=True)
+        for name, what, made in zip(NAMES, WHAT, rows, strict=True):
+            print(f"wrote {records.write(name, shown, made, __spec__.name, gpus=1, what=what)}")
+
+
+def _one_gpu(cfg: MemoryConfig) -> None:
+    if gpu_count() < 1:
+        raise ConfigError("chapter 5c's measurements need a CUDA GPU; on a CPU the chapter "
+                          "reads them from its records")
+
+
+if __name__ == "__main__":
+    main()

@@ -20,10 +20,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config, check, opt, parse_or_exit
+from ..config import check, opt, parse_or_exit
 from ..devices import gpu_count
-from ..timing import benchmark, cold_call_ms, cudnn_autotuning, host_clock_without_sync, \
-    tf32_enabled
+from ..timing import (
+    benchmark,
+    cold_call_ms,
+    cudnn_autotuning,
+    host_clock_without_sync,
+    tf32_enabled,
+)
 from . import records
 from .report import Column, table
 from .workload import LADDER, Rung, RungResult, Workload, make_train_step, measure_rung

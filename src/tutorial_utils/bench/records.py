@@ -23,8 +23,9 @@ import os
 import shlex
 import sys
 import textwrap
+import typing
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, is_dataclass
 from pathlib import Path
 
 from ..config import to_dict
@@ -73,9 +74,15 @@ class Source:
     config: dict  # the configuration measured (the record's, or the one measured here)
     made: str  # for the prose: "measured on 2 x NVIDIA H200 on 2026-11-30"
     here: bool = False  # measured on this machine while the chapter ran
+    stamp: dict | None = None  # the environment stamp of the machine that measured
 
     def __str__(self) -> str:
         return self.text
+
+    def gpu_memory(self) -> int | None:
+        """Bytes of memory of the first GPU that measured (None: no GPU measured)."""
+        gib = (self.stamp or {}).get("gpu_memory_gib") or []
+        return round(gib[0] * 2**30) if gib else None
 
 
 @dataclass
@@ -173,12 +180,22 @@ def as_row(row) -> dict:
 
 
 def from_row(row_type: type, row: dict):
-    """``row_type`` rebuilt from a record's row; fields it does not know are an error."""
-    known = {f.name for f in fields(row_type)}
-    if unknown := set(row) - known:
+    """``row_type`` rebuilt from a record's row (a dataclass field from its dict, a tuple from
+    its list); fields it does not know are an error."""
+    hints = typing.get_type_hints(row_type)
+    if unknown := set(row) - set(hints):
         raise RecordError(f"a row of fields {sorted(unknown)} is not a {row_type.__name__}: "
                           "the record was made by other code; remake it (make records)")
-    return row_type(**row)
+    return row_type(**{k: _typed(hints[k], v) for k, v in row.items()})
+
+
+def _typed(hint, value):
+    kinds = [hint, *typing.get_args(hint)]
+    if isinstance(value, dict) and (inner := next((k for k in kinds if is_dataclass(k)), None)):
+        return from_row(inner, value)
+    if isinstance(value, list) and any(typing.get_origin(k) is tuple for k in kinds):
+        return tuple(value)
+    return value
 
 
 def _header(name: str, cfg, program: str, workers: Sequence[str], gpus: int, what: str,
@@ -273,6 +290,20 @@ def _get(row, key: str):
     return row.get(key) if isinstance(row, dict) else getattr(row, key, None)
 
 
+def measures_here(gpus: int) -> bool:
+    """Whether :func:`measured` runs the measurement on this machine (asked, and able to)."""
+    from ..devices import gpu_count
+
+    return measuring() and gpu_count() >= gpus
+
+
+def config_for(name: str, cfg, gpus: int):
+    """The configuration whose numbers a chapter will show for ``name``: ``cfg`` where it is
+    measured here (or there is no record), else the record's, as ``cfg``'s type."""
+    record = None if measures_here(gpus) else load(name)
+    return cfg if record is None else from_row(type(cfg), record.header["config"])
+
+
 def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
              row_type: type | None = None, compare: Compare | None = None,
              stand_in: Callable[[], list] | None = None,
@@ -293,7 +324,7 @@ def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
     rows = record.typed(row_type) if record is not None and row_type else \
         (record.rows if record is not None else [])
     make = f"`make records` on a machine with {_gpus(gpus)} makes it"
-    if measuring() and have >= gpus:
+    if measures_here(gpus):
         here, hardware = measure(), environment_stamp().hardware
         lines = [f"Measured here, on {hardware} ({MEASURE_ENV}=1)."]
         if record is not None:
@@ -306,7 +337,8 @@ def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
         else:
             lines.append(f"No record {name} to set beside it yet ({make}).")
         return here, Source("\n".join(lines), hardware, to_dict(cfg) if cfg else {},
-                            f"measured here on {hardware}", here=True)
+                            f"measured here on {hardware}", here=True,
+                            stamp=environment_stamp().as_dict())
     if record is None:
         return _without_record(name, gpus, have, make, stand_in, stand_in_where, cfg)
     text = record.describe()
@@ -317,7 +349,8 @@ def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
         text += (f"\nThis machine has {_gpus(have)}: {MEASURE_ENV}=1 measures them instead of "
                  "reading this record.")
     made = f"measured on {record.hardware} on {record.date}"
-    return rows, Source(text, record.hardware, record.header["config"], made)
+    return rows, Source(text, record.hardware, record.header["config"], made,
+                        stamp=record.header["stamp"])
 
 
 def _without_record(name, gpus, have, make, stand_in, where, cfg) -> tuple[list, Source]:

@@ -26,7 +26,6 @@ from ..models import wide_resnet
 from ..parallel.data_parallel import make_data_parallel
 from ..step import train_step
 from ..timing import (
-    Timing,
     benchmark,
     cold_call_ms,
     cudnn_autotuning,
