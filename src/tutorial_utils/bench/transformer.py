@@ -1,6 +1,6 @@
 """Chapter 7's measurements: the GPT on one GPU, its training curve, and TP on N GPUs.
 
-    python -m tutorial_utils.bench.transformer                    # one GPU (or the CPU, small)
+    python -m tutorial_utils.bench.transformer --record           # one GPU: two records
     python -m tutorial_utils.bench.transformer --gpus 2 --record  # TP against FSDP2, N GPUs
 
 On one device: the training step's time, throughput and peak memory at a few batch sizes,
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from ..config import Config, check, check_gpus, opt, parse_or_exit
-from ..launch import torchrun
+from ..launch import run_worker
 from ..models.gpt import GPT, GPTConfig, flops_per_token, lm_loss, shape_rules
 from ..text import Corpus, batch, stdlib_corpus, synthetic_corpus
 from ..timing import benchmark, synchronize
@@ -31,6 +29,11 @@ from . import records
 from .report import Column, table
 
 RECORD = "07-tensor-parallel"
+ONE_GPU = ("07-gpt-steps", "07-gpt-training")
+WHAT = {"07-gpt-steps": "Chapter 7: the GPT's training step on one GPU, with and without "
+                        "activation checkpointing",
+        "07-gpt-training": "Chapter 7: a short training run of the GPT on one GPU",
+        RECORD: "Chapter 7: tensor parallelism against FSDP2 on the GPT, on N GPUs"}
 WORKER = "tutorial_utils.bench.workers.tp_step"
 
 
@@ -49,8 +52,9 @@ class TransformerConfig(Config):
     lr: float = opt(1e-3, "peak learning rate (AdamW; warm-up, then cosine)")
     data: Literal["stdlib", "synthetic"] = opt("stdlib", "the text to train on")
     device: Literal["auto", "cpu", "cuda"] = opt("auto", "where the one-device part runs")
-    gpus: int = opt(0, "N >= 2: time TP against FSDP2 on N GPUs instead (the record)")
-    record: bool = opt(False, f"with --gpus: write the result as the record {RECORD}")
+    gpus: int = opt(0, "N >= 2: time TP against FSDP2 on N GPUs instead")
+    record: bool = opt(False, f"write the results as records: {', '.join(ONE_GPU)} on one GPU, "
+                       f"{RECORD} with --gpus")
 
     def __post_init__(self) -> None:
         check(*shape_rules(self.dim, self.heads, self.layers, self.seq),
@@ -60,7 +64,8 @@ class TransformerConfig(Config):
                "--train-steps must be >= 0 and --train-batch >= 1"),
               (math.isfinite(self.lr) and self.lr > 0, f"--lr must be a number > 0, got {self.lr}"),
               (self.gpus == 0 or self.gpus >= 2, f"--gpus must be 0 or >= 2, got {self.gpus}"),
-              (not self.record or self.gpus >= 2, "--record needs --gpus N (N >= 2)"))
+              (not self.record or self.device != "cpu",
+               "--record measures a GPU: leave out --device cpu"))
 
     @property
     def model(self) -> GPTConfig:
@@ -93,28 +98,51 @@ def build(cfg: GPTConfig, device: torch.device, activation_checkpointing: bool =
     return model, optimizer
 
 
-def step_row(cfg: TransformerConfig, size: int, recompute: bool) -> dict:
+@dataclass
+class StepRow:
+    """The training step at one batch size: a row of ``07-gpt-steps``."""
+
+    batch: int
+    checkpointing: bool
+    params: int
+    step_ms: float | None = None
+    tokens_per_s: float | None = None
+    tflops: float | None = None  # model FLOPs per second (6 per parameter and token + attention)
+    peak_gib: float | None = None  # None on the CPU
+    oom: bool = False
+
+
+@dataclass
+class TrainingRun:
+    """The short training run: a row of ``07-gpt-training``."""
+
+    corpus: str
+    points: list[dict]  # step, training-batch loss, held-out loss, seconds since the start
+    seconds: float  # evaluations included
+    tokens: int
+
+
+def step_row(cfg: TransformerConfig, size: int, recompute: bool) -> StepRow:
     """Time, throughput and peak memory of the training step at ``size`` sequences."""
     device = cfg.torch_device
     model, optimizer = build(cfg.model, device, recompute)
     n_params = sum(p.numel() for p in model.parameters())
     x = torch.randint(0, 256, (size, cfg.seq), device=device)
     step = make_step(model, optimizer, device)
-    row = {"batch": size, "checkpointing": recompute, "params": n_params}
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     try:
         t = benchmark(lambda: step(x, x), warmup=3, repeats=cfg.repeats, device=device)
     except torch.OutOfMemoryError:
-        return row | {"oom": True}
+        return StepRow(size, recompute, n_params, oom=True)
     tokens_s = size * cfg.seq / (t.median_ms / 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    return row | {"step_ms": t.median_ms, "tokens_per_s": tokens_s, "peak_gib": peak,
-                  "tflops": tokens_s * flops_per_token(cfg.model, n_params) / 1e12}
+    return StepRow(size, recompute, n_params, t.median_ms, tokens_s,
+                   tokens_s * flops_per_token(cfg.model, n_params) / 1e12, peak)
 
 
-def step_rows(cfg: TransformerConfig) -> list[dict]:
+def step_rows(cfg: TransformerConfig) -> list[StepRow]:
     rows = [step_row(cfg, size, recompute) for size in cfg.batches for recompute in (False, True)]
     if cfg.torch_device.type == "cuda":
         torch.cuda.empty_cache()
@@ -128,10 +156,10 @@ STEP_COLUMNS = (Column("batch", "batch", width=6), Column("ckpt", "  checkpointi
                 Column("tflops", "TFLOP/s", ".0f", 9), Column("peak_gib", "peak GiB", ".2f", 10))
 
 
-def step_table(rows: list[dict]) -> str:
-    return table([r | {"ckpt": "  " + ("yes" if r["checkpointing"] else "no")
-                       + ("  (out of memory)" if r.get("oom") else "")} for r in rows],
-                 STEP_COLUMNS)
+def step_table(rows: list[StepRow]) -> str:
+    return table([dataclasses.asdict(r) | {"ckpt": "  " + ("yes" if r.checkpointing else "no")
+                                           + ("  (out of memory)" if r.oom else "")}
+                  for r in rows], STEP_COLUMNS)
 
 
 def corpus(cfg: TransformerConfig) -> Corpus:
@@ -158,7 +186,7 @@ def val_loss(model: GPT, text: Corpus, cfg: TransformerConfig, batches: int = 8)
     return sum(losses) / len(losses)
 
 
-def train(cfg: TransformerConfig, text: Corpus | None = None) -> dict:
+def train(cfg: TransformerConfig, text: Corpus | None = None) -> TrainingRun:
     """``train_steps`` steps on ``text`` (default: ``cfg.data``'s corpus): the training and
     validation loss at the first step and ten times on the way."""
     text, device = text or corpus(cfg), cfg.torch_device
@@ -173,17 +201,17 @@ def train(cfg: TransformerConfig, text: Corpus | None = None) -> dict:
             points.append({"step": i + 1, "train": loss.item(), "val": val_loss(model, text, cfg),
                            "seconds": time.perf_counter() - t0})
     synchronize(device)
-    return {"corpus": text.name, "points": points, "seconds": time.perf_counter() - t0,
-            "tokens": cfg.train_steps * cfg.train_batch * cfg.seq}
+    return TrainingRun(text.name, points, time.perf_counter() - t0,
+                       cfg.train_steps * cfg.train_batch * cfg.seq)
 
 
-def loss_figure(run: dict, hardware: str):
+def loss_figure(run: TrainingRun, hardware: str):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    steps = [p["step"] for p in run["points"]]
-    ax.plot(steps, [p["train"] for p in run["points"]], "o-", label="training batch")
-    ax.plot(steps, [p["val"] for p in run["points"]], "s--", label="held-out text")
+    steps = [p["step"] for p in run.points]
+    ax.plot(steps, [p["train"] for p in run.points], "o-", label="training batch")
+    ax.plot(steps, [p["val"] for p in run.points], "s--", label="held-out text")
     ax.axhline(math.log(256), color="grey", lw=0.8, ls=":", label="ln 256: a uniform guess")
     ax.set(xlabel="step", ylabel="loss (nats per byte)",
            title=f"The GPT learns to predict Python source ({hardware})")
@@ -196,13 +224,9 @@ def n_gpu_rows(cfg: TransformerConfig) -> list[dict]:
     """The worker's rows: each mode on ``cfg.gpus`` GPUs, the same model and global batch."""
     from .workers.tp_step import TPStepConfig
 
-    device = "cuda" if torch.cuda.device_count() >= cfg.gpus else "cpu"
-    with tempfile.TemporaryDirectory() as tmp:
-        worker = TPStepConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
-                              batch=max(cfg.batches), repeats=cfg.repeats, device=device,
-                              out=Path(tmp) / "tp.jsonl")
-        return torchrun(WORKER, worker.to_argv(), nproc=cfg.gpus, timeout_s=900,
-                        metrics_file=worker.out, echo=False).metrics
+    worker = TPStepConfig(dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, seq=cfg.seq,
+                          batch=max(cfg.batches), repeats=cfg.repeats, device="cuda")
+    return run_worker(WORKER, worker, nproc=cfg.gpus)
 
 
 N_GPU_COLUMNS = (Column("mode", "mode", width=20, left=True), Column("mesh", "mesh", width=12,
@@ -251,17 +275,24 @@ def pays_table(rows: list[dict], tps) -> str:
     return table(rows, cols)
 
 
-def n_gpu_measured(cfg: TransformerConfig) -> tuple[list[dict], str]:
-    """The N-GPU rows: the record where there is one, measured here on N GPUs, else none."""
-    record = records.load(RECORD)
-    if record is not None:
-        return record.rows, record.describe()
-    if torch.cuda.device_count() >= cfg.gpus:
-        return n_gpu_rows(cfg), f"No record {RECORD} yet: measured here, on {cfg.gpus} GPUs."
-    command = records.command(__spec__.name, dataclasses.replace(cfg, record=True))
-    return [], (f"Pending: no record {RECORD} yet, and this machine has "
-                f"{torch.cuda.device_count()} GPU(s).\nA machine with {cfg.gpus} makes it with "
-                f"`{command}`.")
+def n_gpu_measured(cfg: TransformerConfig) -> tuple[list[dict], records.Source]:
+    """The N-GPU rows: the record's, this machine's with TUTORIAL_MEASURE=1, else none yet."""
+    return records.measured(RECORD, lambda: n_gpu_rows(cfg), gpus=cfg.gpus, cfg=cfg,
+                            compare=records.Compare(("mode", "mesh"), "step_ms", "step ms"))
+
+
+def one_gpu(cfg: TransformerConfig) -> tuple[list[StepRow], TrainingRun, records.Source]:
+    """The step rows and the training run on one GPU: the records', this GPU's with
+    TUTORIAL_MEASURE=1, or, with neither, a small run on the CPU."""
+    steps, source = records.measured(
+        ONE_GPU[0], lambda: step_rows(cfg), gpus=1, cfg=cfg, row_type=StepRow,
+        compare=records.Compare(("batch", "checkpointing"), "step_ms", "batch ckpt: step ms"),
+        stand_in=lambda: step_rows(dataclasses.replace(cfg, device="cpu")),
+        stand_in_where="this process")
+    runs, _ = records.measured(
+        ONE_GPU[1], lambda: [train(cfg)], gpus=1, cfg=cfg, row_type=TrainingRun,
+        stand_in=lambda: [train(dataclasses.replace(cfg, device="cpu"))])
+    return steps, runs[0], source
 
 
 def check_lines(checks: dict[int, dict[str, dict]], mode: str) -> list[str]:
@@ -283,27 +314,27 @@ def layout_lines(row: dict) -> list[str]:
     return out
 
 
-def summary(steps: list[dict], run: dict) -> dict:
+def summary(steps: list[StepRow], run: TrainingRun) -> dict:
     """Chapter 7's glue: the largest batch's rows with and without checkpointing, the run."""
-    size = max(r["batch"] for r in steps)
-    plain, ckpt = (next(r for r in steps if r["batch"] == size and r["checkpointing"] == c)
+    size = max(r.batch for r in steps)
+    plain, ckpt = (next(r for r in steps if r.batch == size and r.checkpointing == c)
                    for c in (False, True))
-    out = {"batch": size, "params_m": plain["params"] / 1e6, "step_ms": plain.get("step_ms"),
-           "tflops": plain.get("tflops"), "tokens_per_s": plain.get("tokens_per_s")}
-    if plain.get("step_ms") and ckpt.get("step_ms"):
-        out["ckpt_slowdown"] = ckpt["step_ms"] / plain["step_ms"]
-    else:
-        out["ckpt_slowdown"] = float("nan")  # a row ran out of memory
-    nan = float("nan")  # no peak on the CPU
-    out |= {"peak_plain": plain.get("peak_gib") or nan, "peak_ckpt": ckpt.get("peak_gib") or nan}
-    first, last = run["points"][0], run["points"][-1]
+    nan = float("nan")  # a row that ran out of memory, or no peak on the CPU
+    out = {"batch": size, "params_m": plain.params / 1e6, "step_ms": plain.step_ms,
+           "tflops": plain.tflops, "tokens_per_s": plain.tokens_per_s,
+           "ckpt_slowdown": ckpt.step_ms / plain.step_ms if plain.step_ms and ckpt.step_ms
+           else nan,
+           "peak_plain": plain.peak_gib or nan, "peak_ckpt": ckpt.peak_gib or nan}
+    first, last = run.points[0], run.points[-1]
     return out | {"loss_first": first["train"], "val_last": last["val"],
-                  "train_s": run["seconds"], "train_tokens_m": run["tokens"] / 1e6}
+                  "train_s": run.seconds, "train_tokens_m": run.tokens / 1e6}
 
 
 def _enough_gpus(cfg: TransformerConfig) -> None:
-    if cfg.record:  # a record of N GPUs is measured on N GPUs, never on CPU processes
+    if cfg.gpus:  # N GPUs, one process each: never CPU processes that pass for them
         check_gpus(cfg.gpus, "--gpus", "--gpus 0 for the one-device part", fewest=2)
+    elif cfg.record:
+        check_gpus(1, "--record", "leave out --record to measure the CPU")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -312,13 +343,20 @@ def main(argv: list[str] | None = None) -> None:
         rows = n_gpu_rows(cfg)
         print(n_gpu_table(rows))
         if cfg.record:
-            print(f"wrote {records.write(RECORD, cfg, rows, __spec__.name, [WORKER])}")
+            path = records.write(RECORD, cfg, rows, __spec__.name, [WORKER], gpus=cfg.gpus,
+                                 what=WHAT[RECORD])
+            print(f"wrote {path}")
         return
-    print(step_table(step_rows(cfg)))
-    if cfg.train_steps:
-        run = train(cfg)
-        print(f"{run['corpus']}: loss {run['points'][0]['train']:.2f} -> "
-              f"{run['points'][-1]['val']:.2f} (held out) in {run['seconds']:.0f} s")
+    steps = step_rows(cfg)
+    print(step_table(steps))
+    run = train(cfg) if cfg.train_steps else None
+    if run:
+        print(f"{run.corpus}: loss {run.points[0]['train']:.2f} -> "
+              f"{run.points[-1]['val']:.2f} (held out) in {run.seconds:.0f} s")
+    if cfg.record:
+        for name, rows in zip(ONE_GPU, (steps, [run] if run else []), strict=True):
+            path = records.write(name, cfg, rows, __spec__.name, gpus=1, what=WHAT[name])
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":
