@@ -304,7 +304,7 @@ def config_for(name: str, cfg, gpus: int):
     return cfg if record is None else from_row(type(cfg), record.header["config"])
 
 
-def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
+def measured(name: str, measure: Callable[[], list] | None, *, gpus: int, cfg=None,
              row_type: type | None = None, compare: Compare | None = None,
              stand_in: Callable[[], list] | None = None,
              stand_in_where: str = "CPU processes") -> tuple[list, Source]:
@@ -315,7 +315,8 @@ def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
     - Otherwise the record's rows; a machine with the GPUs is told how to measure itself.
     - No record yet: ``stand_in()`` if given (a small run in CPU processes, said to be one),
       else no rows and a text that says the measurement is pending and how to make it.
-    ``row_type``: the dataclass the rows are read back as.
+    ``row_type``: the dataclass the rows are read back as. ``measure=None``: a measurement
+    too long for a chapter, which only ``make records`` remakes.
     """
     from ..devices import gpu_count
     from ..stamp import environment_stamp
@@ -324,7 +325,7 @@ def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
     rows = record.typed(row_type) if record is not None and row_type else \
         (record.rows if record is not None else [])
     make = f"`make records` on a machine with {_gpus(gpus)} makes it"
-    if measures_here(gpus):
+    if measure is not None and measures_here(gpus):
         here, hardware = measure(), environment_stamp().hardware
         lines = [f"Measured here, on {hardware} ({MEASURE_ENV}=1)."]
         if record is not None:
@@ -342,7 +343,9 @@ def measured(name: str, measure: Callable[[], list], *, gpus: int, cfg=None,
     if record is None:
         return _without_record(name, gpus, have, make, stand_in, stand_in_where, cfg)
     text = record.describe()
-    if measuring():
+    if measuring() and measure is None:
+        text += f"\n{MEASURE_ENV}=1: this measurement takes too long to remake in a chapter."
+    elif measuring():
         text += (f"\n{MEASURE_ENV}=1, but this machine has {have} GPU(s) and the measurement "
                  f"needs {gpus}: the record's numbers follow.")
     elif gpus and have >= gpus:
