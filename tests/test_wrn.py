@@ -128,11 +128,10 @@ def test_ghost_batchnorm_without_running_statistics_groups_in_evaluation_too():
 
 
 def test_the_trainer_normalises_over_groups_with_ghost_bn():
-    from tutorial_utils.config import TrainConfig
     from tutorial_utils.data import synthetic_cifar10
     from tutorial_utils.models import GhostBatchNorm2d
     from tutorial_utils.parallel.distributed import DistContext
-    from tutorial_utils.trainer import Trainer
+    from tutorial_utils.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig(depth=10, width=1, batch=32, ghost_bn=4, device="cpu", precision="fp32",
                       checkpoint_every=0)
