@@ -26,7 +26,8 @@ from . import checkpoint as ckpt
 from .config import Config, ConfigError, check, opt, to_dict
 from .data import Cifar10
 from .loaders import DeviceLoader, dataloader, normalize
-from .models import WideResNet, ghost_batchnorm
+from .models.ghost_bn import ghost_batchnorm
+from .models.wrn import WideResNet
 from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
 from .step import AUTOCAST, accumulate, predict

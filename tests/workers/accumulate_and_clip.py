@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from tutorial_utils.config import ConfigError
 from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.jsonl import write_jsonl
-from tutorial_utils.models import ghost_batchnorm
+from tutorial_utils.models.ghost_bn import ghost_batchnorm
 from tutorial_utils.parallel.ddp import ddp
 from tutorial_utils.parallel.distributed import distributed
 from tutorial_utils.step import accumulate

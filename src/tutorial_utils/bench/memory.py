@@ -22,7 +22,7 @@ from ..memory import (
     record_allocations,
     zero_table,
 )
-from ..models import wide_resnet
+from ..models.wrn import wide_resnet
 from ..step import train_step
 from ..timing import benchmark, cudnn_autotuning
 from .report import Column, legend_outside, table
