@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from tutorial_utils.config import TrainConfig
 from tutorial_utils.parallel.tensor import tp_comm_over_compute
 from tutorial_utils.solutions import ch01, ch02, ch03, ch04, ch05, ch05b, ch05d, ch05e, ch06, ch07
+from tutorial_utils.trainer import TrainConfig
 
 
 def test_ch1_output_shape_of_a_larger_input():

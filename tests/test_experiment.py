@@ -19,7 +19,7 @@ from tutorial_utils.bench.experiment import (  # noqa: E402
     train,
     with_batch,
 )
-from tutorial_utils.train import TrainConfig  # noqa: E402
+from tutorial_utils.trainer import TrainConfig  # noqa: E402
 
 
 def tiny(out, **kw):

@@ -17,7 +17,7 @@ from tutorial_utils.bench.workers import common, fsdp_step
 from tutorial_utils.config import ConfigError
 from tutorial_utils.jsonl import read_jsonl
 from tutorial_utils.launch import torchrun
-from tutorial_utils.models import wide_resnet
+from tutorial_utils.models.wrn import wide_resnet
 from tutorial_utils.parallel.distributed import DistContext
 from tutorial_utils.parallel.fsdp import shard, wrn_units
 from tutorial_utils.sharded_checkpoint import commit, latest_checkpoint

@@ -8,8 +8,8 @@ from itertools import pairwise
 from pathlib import Path
 
 from tutorial_utils.bench.experiment import load_run
-from tutorial_utils.config import parse, saved_train_config, to_dict
-from tutorial_utils.train import TrainConfig
+from tutorial_utils.config import parse, to_dict
+from tutorial_utils.trainer import TrainConfig, saved_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ROOT / "book/data/wrn-28-10-200ep/metrics.jsonl"

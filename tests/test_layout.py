@@ -63,3 +63,10 @@ def test_the_checks_see_the_package():
     assert len(MODULES) > 30 and any(p.parent.name == "workers" for p in CORE)
     assert "tutorial_utils.trainer" in _imports(PACKAGE / "train.py")
     assert "tutorial_utils.jsonl" in _imports(PACKAGE / "launch.py")
+
+
+def test_the_training_step_and_the_models_package_import_nothing_of_the_package():
+    # Every chapter and benchmark imports them: whatever they imported would load into all.
+    step = [n for n in _imports(PACKAGE / "step.py") if n.startswith("tutorial_utils")]
+    assert not step, f"step.py imports {step}; it stands on torch alone"
+    assert _imports(PACKAGE / "models" / "__init__.py") == [], "import each network's module"

@@ -14,7 +14,7 @@ from tutorial_utils.memory import (
     saved_tensors,
     zero_table,
 )
-from tutorial_utils.models import wide_resnet
+from tutorial_utils.models.wrn import wide_resnet
 from tutorial_utils.solutions.ch05c import CheckpointedOnce, adam_breakdown, gpus_needed
 from tutorial_utils.step import train_step
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tutorial_utils.models import wide_resnet
+from tutorial_utils.models.wrn import wide_resnet
 from tutorial_utils.parallel.model_parallel import (
     ModelParallel,
     PipelinedModelParallel,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tutorial_utils.checkpoint import CheckpointError
-from tutorial_utils.models import wide_resnet
+from tutorial_utils.models.wrn import wide_resnet
 from tutorial_utils.parallel.distributed import DistContext
 from tutorial_utils.sharded_checkpoint import latest_checkpoint, load_sharded, save_sharded
 from tutorial_utils.workers import dcp_resume

@@ -10,7 +10,7 @@ from torch import nn
 
 from tutorial_utils.bench import timeline
 from tutorial_utils.launch import LaunchError, torchrun
-from tutorial_utils.models import wide_resnet
+from tutorial_utils.models.wrn import wide_resnet
 from tutorial_utils.step_graph import (
     ReplayWatchdog,
     StepGraph,

@@ -14,8 +14,8 @@ from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.devices import gpu_count
 from tutorial_utils.parallel.distributed import DistContext
 from tutorial_utils.step import predict
-from tutorial_utils.train import TrainConfig, main, run
-from tutorial_utils.trainer import lr_factor
+from tutorial_utils.train import main, run
+from tutorial_utils.trainer import MUST_MATCH_ON_RESUME, TrainConfig, Trainer, lr_factor
 
 CPU = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -342,6 +342,53 @@ def test_a_resume_that_changes_what_is_trained_is_refused(tmp_path, change, name
     run(tiny(tmp_path, epochs=1), CPU)
     with pytest.raises(CheckpointError, match=re.escape(named)):
         run(tiny(tmp_path, epochs=1, resume=True, **change), CPU)
+
+
+def test_every_setting_says_what_a_resume_does_with_it():
+    unsaid = [f.name for f in dataclasses.fields(TrainConfig)
+              if f.metadata.get("resume") not in ("must match", "may change")]
+    assert not unsaid, f"declare these with must_match() or may_change() in trainer.py: {unsaid}"
+
+
+# A valid value other than tiny()'s for every setting a resume must match.
+OTHER_VALUE = {"depth": 16, "width": 2, "dropout": 0.3, "epochs": 3, "batch": 32,
+               "scaling": "weak", "lr": 0.2, "schedule": "step", "warmup_epochs": 0.5,
+               "weight_decay": 1e-3, "label_smoothing": 0.1, "crop_pad": 2, "precision": "bf16",
+               "grad_accum": 2, "clip_norm": 1.0, "sync_bn": True, "ghost_bn": 4,
+               "loader": "dataloader", "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def saved_untrained(tmp_path_factory):
+    """A checkpoint of tiny()'s configuration, saved before any step: what restore checks."""
+    cfg = tiny(tmp_path_factory.mktemp("saved"))
+    data = synthetic_cifar10(128, 32)
+    Trainer(cfg, CPU, data).save(0)
+    return cfg, data
+
+
+@pytest.mark.parametrize("name", MUST_MATCH_ON_RESUME)
+def test_a_resume_is_refused_when_a_setting_it_must_match_differs(saved_untrained, name):
+    cfg, data = saved_untrained
+    assert name in OTHER_VALUE, f"add another valid value of {name} to OTHER_VALUE"
+    changed = dataclasses.replace(cfg, resume=True, **{name: OTHER_VALUE[name]})
+    trainer = Trainer(changed, CPU, data)
+    named = f"{name}={getattr(cfg, name)} (this run: {OTHER_VALUE[name]})"
+    with pytest.raises(CheckpointError, match=re.escape(named)):
+        trainer.restore()
+
+
+def test_a_resume_may_change_every_setting_of_how_it_runs(saved_untrained):
+    cfg, data = saved_untrained
+    changed = dataclasses.replace(  # all but --out, which names the checkpoint itself
+        cfg, tta=True, compile="default", step_graph=True, data="elsewhere.tar.gz",
+        limit_per_class=1000, device="auto", checkpoint_every=0, resume=True, deterministic=True)
+    may_change = {f.name for f in dataclasses.fields(TrainConfig)
+                  if f.metadata["resume"] == "may change"}
+    assert {k for k in may_change if getattr(changed, k) != getattr(cfg, k)} == may_change - {"out"}
+    trainer = Trainer(changed, CPU, data)
+    trainer.restore()
+    assert trainer.start_epoch == 1
 
 
 def test_a_checkpoint_older_than_the_newer_options_resumes(tmp_path):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tutorial_utils.models import WideResNet, wide_resnet
+from tutorial_utils.models.wrn import WideResNet, wide_resnet
 
 
 def n_params(model):
@@ -44,7 +44,7 @@ def test_bad_name():
 def test_ghost_batchnorm_normalises_each_group_by_its_own_statistics(momentum):
     from torch import nn
 
-    from tutorial_utils.models import GhostBatchNorm2d
+    from tutorial_utils.models.ghost_bn import GhostBatchNorm2d
 
     torch.manual_seed(0)
     x = torch.randn(16, 8, 5, 5).to(memory_format=torch.channels_last) * 3 + 1
@@ -69,7 +69,7 @@ def test_ghost_batchnorm_normalises_each_group_by_its_own_statistics(momentum):
 
 
 def test_ghost_batchnorm_keeps_the_weights_and_refuses_a_batch_it_cannot_split():
-    from tutorial_utils.models import GhostBatchNorm2d, ghost_batchnorm
+    from tutorial_utils.models.ghost_bn import GhostBatchNorm2d, ghost_batchnorm
 
     net = WideResNet(depth=10, width=1)
     before = {k: v.clone() for k, v in net.state_dict().items()}
@@ -84,7 +84,7 @@ def test_ghost_batchnorm_keeps_the_weights_and_refuses_a_batch_it_cannot_split()
 
 
 def test_ghost_batchnorm_keeps_the_dtype_and_layout_of_its_input():
-    from tutorial_utils.models import GhostBatchNorm2d
+    from tutorial_utils.models.ghost_bn import GhostBatchNorm2d
 
     ghost = GhostBatchNorm2d(8, 4)
     x = torch.randn(16, 8, 5, 5).to(memory_format=torch.channels_last)
@@ -98,7 +98,7 @@ def test_ghost_batchnorm_keeps_the_dtype_and_layout_of_its_input():
 def test_ghost_batchnorm_of_a_converted_batchnorm_in_another_dtype(dtype):
     # a network moved to float64 or bfloat16 keeps its BatchNorm in that dtype, a root
     # BatchNorm included; its running statistics stay in it too
-    from tutorial_utils.models import GhostBatchNorm2d, ghost_batchnorm
+    from tutorial_utils.models.ghost_bn import GhostBatchNorm2d, ghost_batchnorm
 
     ghost = ghost_batchnorm(torch.nn.BatchNorm2d(8).to(dtype), 4)
     assert type(ghost) is GhostBatchNorm2d and ghost.weight.dtype == dtype
@@ -116,7 +116,7 @@ def test_ghost_batchnorm_of_a_converted_batchnorm_in_another_dtype(dtype):
 
 
 def test_ghost_batchnorm_without_running_statistics_groups_in_evaluation_too():
-    from tutorial_utils.models import GhostBatchNorm2d
+    from tutorial_utils.models.ghost_bn import GhostBatchNorm2d
 
     ghost = GhostBatchNorm2d(8, 4, track_running_stats=False).eval()
     offsets = torch.arange(4.0).repeat_interleave(4).view(16, 1, 1, 1)  # each group its own
@@ -128,11 +128,10 @@ def test_ghost_batchnorm_without_running_statistics_groups_in_evaluation_too():
 
 
 def test_the_trainer_normalises_over_groups_with_ghost_bn():
-    from tutorial_utils.config import TrainConfig
     from tutorial_utils.data import synthetic_cifar10
-    from tutorial_utils.models import GhostBatchNorm2d
+    from tutorial_utils.models.ghost_bn import GhostBatchNorm2d
     from tutorial_utils.parallel.distributed import DistContext
-    from tutorial_utils.trainer import Trainer
+    from tutorial_utils.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig(depth=10, width=1, batch=32, ghost_bn=4, device="cpu", precision="fp32",
                       checkpoint_every=0)

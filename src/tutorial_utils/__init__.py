@@ -2,7 +2,7 @@
 
 - the teaching core, at this level: the network (:mod:`.models`), CIFAR-10 and its loaders
   (:mod:`.data`, :mod:`.loaders`), the one training step (:mod:`.step`), the training entry
-  point (:mod:`.train`, configured by :class:`.config.TrainConfig`, built from
+  point (:mod:`.train`, configured by :class:`.trainer.TrainConfig`, built from
   :mod:`.trainer`), checkpoints (:mod:`.checkpoint`, :mod:`.sharded_checkpoint`), the step
   graph (:mod:`.step_graph`), memory accounting (:mod:`.memory`), timing (:mod:`.timing`),
   launching (:mod:`.launch`, :mod:`.multinode`), and one parallel strategy per module in

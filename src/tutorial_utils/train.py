@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, TrainConfig, parse, to_dict
+from .config import ConfigError, parse, to_dict
 from .data import Cifar10, DataError, load_cifar10
 from .devices import NotEnoughGPUsError
 from .jsonl import read_jsonl, rewrite_jsonl, write_jsonl
 from .parallel.distributed import DistContext, distributed
-from .trainer import Diverged, Trainer
+from .trainer import Diverged, TrainConfig, Trainer
 
 
 def _load_data(cfg: TrainConfig, ctx: DistContext) -> Cifar10:

@@ -1,28 +1,33 @@
 """One training run's pieces: model, data, optimizer and schedule, and one epoch of each phase.
 
-:mod:`tutorial_utils.train` builds a :class:`Trainer` from its configuration and drives it;
-the parts a reader copies into their own loop are here, each short: the learning-rate
-schedule, a DDP-wrapped (optionally compiled, optionally graphed) network, the epoch loop,
-checkpoint save and restore, and evaluation. The step they run is :mod:`tutorial_utils.step`'s.
+:mod:`tutorial_utils.train` builds a :class:`Trainer` from its :class:`TrainConfig` and drives
+it. The configuration lives beside the trainer it configures, each setting saying what a resume
+does with it. The parts a reader copies into their own loop are here, each short: the
+learning-rate schedule, a DDP-wrapped (optionally compiled, optionally graphed) network, the
+epoch loop, checkpoint save and restore, and evaluation. The step they run is
+:mod:`tutorial_utils.step`'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from . import checkpoint as ckpt
-from .config import ConfigError, TrainConfig, saved_train_config, to_dict
+from .config import Config, ConfigError, check, opt, to_dict
 from .data import Cifar10
 from .loaders import DeviceLoader, dataloader, normalize
-from .models import WideResNet, ghost_batchnorm
+from .models.ghost_bn import ghost_batchnorm
+from .models.wrn import WideResNet
 from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
 from .step import AUTOCAST, accumulate, predict
@@ -31,15 +36,163 @@ from .timing import synchronize
 
 CRASH_ENV = "TUTORIAL_CRASH_AT_STEP"  # fault injection for chapter 6's demo, not a setting
 
-# What a resume must share with the run it continues: the model, the data and its order, the
-# optimisation and its numerics. Other settings (--tta, --compile, --step-graph, --device,
-# --deterministic, --checkpoint-every) change how the run executes, not what it trains; a resume
-# may change them, and each attempt's start record in metrics.jsonl says what it used.
-RESUME_MUST_MATCH = ("depth", "width", "dropout", "batch", "scaling", "seed", "epochs",
-                     "schedule", "warmup_epochs", "lr", "weight_decay", "label_smoothing",
-                     "crop_pad", "precision", "loader", "grad_accum", "clip_norm", "sync_bn",
-                     "ghost_bn")
+# --- The run's configuration, and what a resume does with each setting ------------------------
 
+REFERENCE_BATCH = 128  # the batch the base learning rate is given for
+
+
+def must_match(default: Any, doc: str, older: Any = MISSING) -> Any:
+    """A setting of what the run trains: the model, the data and its order, the optimisation and
+    its numerics. A resume must use the checkpoint's value (:meth:`Trainer.restore` checks).
+
+    ``older``, for an option added after runs were recorded: the value those runs trained with.
+    """
+    return opt(default, doc, resume="must match", **_older(older))
+
+
+def may_change(default: Any, doc: str, older: Any = MISSING) -> Any:
+    """A setting of how the run executes, not of what it trains: a resume may change it, and
+    each attempt's start record in metrics.jsonl says what it used."""
+    return opt(default, doc, resume="may change", **_older(older))
+
+
+def _older(value: Any) -> dict[str, Any]:
+    return {} if value is MISSING else {"older": value}
+
+
+@dataclass
+class TrainConfig(Config):
+    """Train a Wide-ResNet on CIFAR-10: one entry point for a CPU, one GPU, or N under torchrun."""
+
+    depth: int = must_match(28, "WRN depth, 6n+4")
+    width: int = must_match(10, "WRN width factor k")
+    dropout: float = must_match(
+        0.0, "dropout between the convolutions of a block (the paper: 0.3)")
+    epochs: int = must_match(10, "epochs to train")
+    batch: int = must_match(
+        128, "global batch (strong scaling) or per-GPU batch (weak scaling)")
+    scaling: Literal["strong", "weak"] = must_match(
+        "strong", "how --batch is shared by the processes")
+    lr: float = must_match(
+        0.1, f"learning rate at a global batch of {REFERENCE_BATCH}, scaled linearly")
+    schedule: Literal["warmup-linear", "step"] = must_match(
+        "warmup-linear", "after the warm-up: linear decay to 0, or the paper's x0.2 at 30/60/80 "
+        "%% of the epochs")
+    warmup_epochs: float = must_match(1.0, "linear warm-up from 0 to the peak learning rate")
+    weight_decay: float = must_match(5e-4, "L2 weight decay (SGD with Nesterov momentum 0.9)")
+    label_smoothing: float = must_match(0.0, "label smoothing of the cross-entropy loss")
+    crop_pad: int = must_match(4, "augmentation: random crops from images padded by this many "
+                               "pixels, plus random mirroring (0: mirroring only)")
+    tta: bool = may_change(False, "test-time augmentation: sum the outputs for each test image "
+                           "and its mirror image")
+    precision: Literal["bf16", "fp16", "fp32"] = must_match(
+        "bf16", "bf16 autocast; fp16 autocast with a gradient scaler, for GPUs without bf16; "
+        "or fp32 throughout")
+    grad_accum: int = must_match(1, "compute each process's batch as K micro-batches, "
+                                 "all-reduced once (DDP's no_sync): less activation memory, "
+                                 "the same step", older=1)
+    clip_norm: float | None = must_match(None, "clip the gradients to this global L2 norm, "
+                                         "after the all-reduce (the same on every rank)",
+                                         older=None)
+    sync_bn: bool = must_match(False, "SyncBatchNorm: BatchNorm statistics over every "
+                               "process's batch, not each process's own", older=False)
+    ghost_bn: int | None = must_match(None, "BatchNorm statistics over groups of this many "
+                                      "images of each batch: what that many images per GPU "
+                                      "give without --sync-bn, shown on one GPU", older=None)
+    compile: Literal["none", "default", "reduce-overhead"] = may_change(
+        "none", "torch.compile mode")
+    step_graph: bool = may_change(False, "record forward and backward, all-reduces included, as "
+                                  "one CUDA graph replayed every step; with --compile default "
+                                  "or none")
+    loader: Literal["device", "dataloader"] = must_match(
+        "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
+    # A resume may find its data elsewhere; Trainer.restore checks the name and size of the set.
+    data: str = may_change("auto", "auto (./data, downloaded when online), synthetic, a "
+                           "torchvision-layout folder, or an image-folder tree / tarball")
+    limit_per_class: int | None = may_change(None, "use only N training images per class")
+    device: Literal["auto", "cpu", "cuda"] = may_change("auto", "cuda needs one GPU per process")
+    out: Path = may_change(Path("runs/wrn"), "output folder: metrics.jsonl, checkpoint.pt")
+    checkpoint_every: int = may_change(1, "epochs between checkpoints (0: never)")
+    resume: bool = may_change(False, "continue from <out>/checkpoint.pt")
+    seed: int = must_match(0, "seed for initialisation, data order and augmentation")
+    deterministic: bool = may_change(
+        False, "deterministic kernels (no cuDNN autotuning): runs repeat bit for bit, slower")
+
+    def __post_init__(self) -> None:
+        if self.depth < 10 or (self.depth - 4) % 6:
+            raise ConfigError(f"--depth must be 6n+4 (10, 16, 22, 28, 40, ...), got {self.depth}")
+        check(
+            (self.width >= 1, f"--width must be >= 1, got {self.width}"),
+            (0 <= self.dropout < 1, f"--dropout must be in [0, 1), got {self.dropout}"),
+            (self.epochs >= 1, f"--epochs must be >= 1, got {self.epochs}"),
+            (self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
+            (math.isfinite(self.lr) and self.lr > 0, f"--lr must be a number > 0, got {self.lr}"),
+            (math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"--weight-decay must be a number >= 0, got {self.weight_decay}"),
+            (0 <= self.label_smoothing < 1,
+             f"--label-smoothing must be in [0, 1), got {self.label_smoothing}"),
+            (self.limit_per_class is None or self.limit_per_class >= 1,
+             f"--limit-per-class must be >= 1, got {self.limit_per_class}"),
+            (0 <= self.warmup_epochs <= self.epochs,
+             f"--warmup-epochs must be in [0, --epochs], got {self.warmup_epochs}"),
+            (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
+            (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
+            (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
+            (self.clip_norm is None or (math.isfinite(self.clip_norm) and self.clip_norm > 0),
+             f"--clip-norm must be a number > 0, got {self.clip_norm}"),
+            (self.ghost_bn is None or self.ghost_bn >= 2,
+             f"--ghost-bn must be >= 2 (a variance needs two images), got {self.ghost_bn}"),
+            (not (self.ghost_bn and self.sync_bn),
+             "--ghost-bn and --sync-bn ask for opposite statistics (fewer images, more): "
+             "choose one"),
+            (not (self.step_graph and self.precision == "fp16"),
+             "--step-graph cannot record fp16's gradient scaler, which reads the gradients on "
+             "the host: use --precision bf16 or fp32 with it"),
+            (not (self.step_graph and self.grad_accum > 1),
+             "--step-graph records one forward and backward per step: use it with "
+             "--grad-accum 1"),
+            (not (self.step_graph and self.compile == "reduce-overhead"),
+             "--step-graph records the whole step itself: use it with --compile default or "
+             "none, not reduce-overhead"),
+        )
+
+    def batches(self, world_size: int) -> tuple[int, int]:
+        """(per-process batch, global batch) for ``world_size`` processes."""
+        if self.scaling == "strong" and self.batch % world_size:
+            raise ConfigError(f"global --batch {self.batch} is not divisible by {world_size} "
+                              f"processes; use a multiple of {world_size}, or --scaling weak")
+        per_gpu = self.batch if self.scaling == "weak" else self.batch // world_size
+        if per_gpu % self.grad_accum:
+            raise ConfigError(f"--grad-accum {self.grad_accum} does not divide the batch of "
+                              f"{per_gpu} per process; use a divisor of {per_gpu}")
+        return per_gpu, per_gpu * world_size
+
+    def peak_lr(self, world_size: int) -> float:
+        """The linear scaling rule (Goyal et al.): the rate grows with the global batch."""
+        return self.lr * self.batches(world_size)[1] / REFERENCE_BATCH
+
+
+# What a resume does with each setting, read from the fields: a new setting is classified where
+# it is declared, and a test fails if it is not.
+MUST_MATCH_ON_RESUME = tuple(f.name for f in dataclasses.fields(TrainConfig)
+                             if f.metadata.get("resume") == "must match")
+# The options added after runs were recorded, each with the value those runs trained with.
+OLDER_DEFAULTS = {f.name: f.metadata["older"] for f in dataclasses.fields(TrainConfig)
+                  if "older" in f.metadata}
+
+
+def saved_train_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved :class:`TrainConfig` dict in today's fields: before ``--precision`` existed, runs
+    said ``bf16: true`` (autocast) or ``false`` (fp32), and none had the options in
+    OLDER_DEFAULTS."""
+    new = {**OLDER_DEFAULTS, **saved}
+    if "bf16" in new:
+        bf16 = new.pop("bf16")
+        new.setdefault("precision", "bf16" if bf16 else "fp32")
+    return new
+
+
+# --- The run ------------------------------------------------------------------------------------
 
 class Diverged(RuntimeError):
     """The loss stopped being a finite number; the message says where and what to do."""
@@ -145,7 +298,7 @@ class Trainer:
     def restore(self) -> None:
         path = self.checkpoint_path
         state = ckpt.load_checkpoint(
-            path, {k: getattr(self.cfg, k) for k in RESUME_MUST_MATCH},
+            path, {k: getattr(self.cfg, k) for k in MUST_MATCH_ON_RESUME},
             required=("model", "optimizer", "scheduler", "rng", "epoch", "world_size", "dataset"),
             upgrade=saved_train_config)
         ckpt.check_world_size(state, self.ctx.world_size, path)

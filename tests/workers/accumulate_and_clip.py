@@ -26,14 +26,14 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from tutorial_utils.config import ConfigError, TrainConfig
+from tutorial_utils.config import ConfigError
 from tutorial_utils.data import synthetic_cifar10
 from tutorial_utils.jsonl import write_jsonl
-from tutorial_utils.models import ghost_batchnorm
+from tutorial_utils.models.ghost_bn import ghost_batchnorm
 from tutorial_utils.parallel.ddp import ddp
 from tutorial_utils.parallel.distributed import distributed
 from tutorial_utils.step import accumulate
-from tutorial_utils.trainer import Trainer
+from tutorial_utils.trainer import TrainConfig, Trainer
 
 
 def net():

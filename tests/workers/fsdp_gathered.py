@@ -12,8 +12,7 @@ import sys
 import torch
 from torch.distributed.tensor import DTensor
 
-from tutorial_utils.models import wide_resnet
-from tutorial_utils.models.wrn import BasicBlock
+from tutorial_utils.models.wrn import BasicBlock, wide_resnet
 from tutorial_utils.parallel.distributed import distributed
 from tutorial_utils.parallel.fsdp import shard
 

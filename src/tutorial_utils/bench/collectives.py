@@ -20,7 +20,7 @@ import torch
 from ..config import Config, check, check_gpus, check_wrn, opt, parse_or_exit
 from ..devices import gpu_count
 from ..launch import torchrun
-from ..models import wide_resnet
+from ..models.wrn import wide_resnet
 from ..parallel.collectives import AlphaBeta, bus_factor, fit_alpha_beta
 from . import records
 from .report import Column

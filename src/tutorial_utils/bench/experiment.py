@@ -1,7 +1,7 @@
 """Training runs: the same recipe on 1..N GPUs, launched, summarised and compared.
 
 Each run is ``python -m tutorial_utils.train`` under ``torchrun`` (one process per GPU, or per
-CPU process without GPUs), configured by a :class:`~tutorial_utils.config.TrainConfig`; the
+CPU process without GPUs), configured by a :class:`~tutorial_utils.trainer.TrainConfig`; the
 per-epoch records it writes are read back. Speed is judged the way the field does
 (DAWNBench, MLPerf): the training time to reach a target test accuracy. The runs of chapters
 5, 5d and 5e are :class:`Job` lists built by one function each (:data:`PLANS`), so that the
@@ -19,20 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ..config import (
-    REFERENCE_BATCH,
-    Config,
-    ConfigError,
-    TrainConfig,
-    check,
-    check_gpus,
-    opt,
-    parse_or_exit,
-    saved_train_config,
-)
+from ..config import Config, ConfigError, check, check_gpus, opt, parse_or_exit
 from ..jsonl import read_jsonl
 from ..launch import torchrun
 from ..profiles import pick
+from ..trainer import REFERENCE_BATCH, TrainConfig, saved_train_config
 from . import records
 from .report import Column, legend_outside, table
 

@@ -29,7 +29,7 @@ from torch import nn
 from ..config import Config, ConfigError, check, check_gpus, check_wrn, opt, parse_or_exit
 from ..devices import devices_for, gpu_count
 from ..launch import torchrun
-from ..models import wide_resnet
+from ..models.wrn import wide_resnet
 from ..parallel.model_parallel import (
     ModelParallel,
     PipelinedModelParallel,

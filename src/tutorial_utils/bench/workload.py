@@ -22,7 +22,7 @@ from torch import nn
 
 from ..config import Config, check, check_wrn, opt
 from ..launch import torchrun
-from ..models import wide_resnet
+from ..models.wrn import wide_resnet
 from ..parallel.data_parallel import make_data_parallel
 from ..step import train_step
 from ..timing import (

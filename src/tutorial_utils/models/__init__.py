@@ -1,6 +1,6 @@
-"""Networks used across the chapters."""
+"""Networks used across the chapters, one module each: :mod:`.wrn` (the Wide-ResNet),
+:mod:`.ghost_bn` (BatchNorm over groups of a batch) and :mod:`.gpt` (a small GPT).
 
-from .ghost_bn import GhostBatchNorm2d, ghost_batchnorm
-from .wrn import WideResNet, wide_resnet, wrn_shape
-
-__all__ = ["GhostBatchNorm2d", "WideResNet", "ghost_batchnorm", "wide_resnet", "wrn_shape"]
+Import from the module itself: this package imports none of them, so a chapter loads only the
+network it uses.
+"""

@@ -24,12 +24,6 @@ from torch.nn.parallel import DistributedDataParallel
 from .distributed import DistContext
 
 
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Make every process start from rank ``src``'s weights (DDP does this in its constructor)."""
-    for t in list(model.parameters()) + list(model.buffers()):
-        dist.broadcast(t.data, src)
-
-
 def all_reduce_gradients(model: nn.Module, world_size: int) -> None:
     """Average ``.grad`` over all processes after ``loss.backward()``: one flat all-reduce."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..bench.experiment import with_batch
-from ..config import TrainConfig
+from ..trainer import TrainConfig
 
 
 def peak_rates(cfg: TrainConfig, batch: int = 2048) -> dict[str, float]:

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from ..checkpoint import CheckpointError
 from ..config import Config, ConfigError, check, check_wrn, opt, parse_or_exit
 from ..jsonl import write_jsonl
-from ..models import wide_resnet
+from ..models.wrn import wide_resnet
 from ..parallel.distributed import DistContext, all_reduce_sum, distributed
 from ..parallel.fsdp import shard
 from ..sharded_checkpoint import commit, latest_checkpoint, load_sharded, write_uncommitted

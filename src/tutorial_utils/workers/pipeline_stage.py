@@ -23,8 +23,7 @@ from torch import nn
 
 from ..config import Config, check, check_wrn, opt, parse_or_exit
 from ..jsonl import write_jsonl
-from ..models import wide_resnet
-from ..models.wrn import init_weights
+from ..models.wrn import init_weights, wide_resnet
 from ..parallel.distributed import DistContext, distributed
 from ..parallel.pipeline import (
     StageModule,

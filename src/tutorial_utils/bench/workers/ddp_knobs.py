@@ -34,7 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...config import Config, check, check_wrn, opt, parse_or_exit
 from ...jsonl import write_jsonl
-from ...models import wide_resnet
+from ...models.wrn import wide_resnet
 from ...parallel.distributed import DistContext, distributed
 from ...step import forward_loss
 from .. import timeline

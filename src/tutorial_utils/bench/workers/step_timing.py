@@ -25,7 +25,7 @@ import torch
 
 from ...config import parse_or_exit
 from ...jsonl import write_jsonl
-from ...models import wide_resnet
+from ...models.wrn import wide_resnet
 from ...parallel.collectives import measure_bus_bandwidth
 from ...parallel.ddp import compile_for_ddp, ddp
 from ...parallel.distributed import DistContext, distributed
