@@ -1,4 +1,4 @@
-"""Chapter 5's stored 200-epoch run: one whole run of the command its page prints."""
+"""Chapter 5's 200-epoch run, kept as a record: one whole run of the command its page prints."""
 
 import json
 import math
@@ -7,12 +7,12 @@ import shlex
 from itertools import pairwise
 from pathlib import Path
 
-from tutorial_utils.bench.experiment import load_run
+from tutorial_utils.bench import records
+from tutorial_utils.bench.experiment import from_rows
 from tutorial_utils.config import parse, to_dict
 from tutorial_utils.trainer import TrainConfig, saved_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
-METRICS = ROOT / "book/data/wrn-28-10-200ep/metrics.jsonl"
 CHAPTER = ROOT / "notebooks/05_wrn_experiment.ipynb"
 RECIPE = ("depth", "width", "dropout", "epochs", "batch", "scaling", "lr", "schedule",
           "warmup_epochs", "weight_decay", "label_smoothing", "crop_pad", "tta", "precision",
@@ -29,8 +29,13 @@ def printed_command() -> TrainConfig:
     return parse(TrainConfig, argv[argv.index("tutorial_utils.train") + 1:], "train", "")
 
 
+def stored_run():
+    (run,) = from_rows(records.load("05-wrn-200ep").rows)
+    return run
+
+
 def test_the_stored_run_is_the_printed_command():
-    run, printed = load_run(METRICS), to_dict(printed_command())
+    run, printed = stored_run(), to_dict(printed_command())
     for start in [run.start, *run.resumes]:  # every job ran the same recipe
         saved = saved_train_config(start["config"])  # recorded when the option was --bf16
         assert {k: saved[k] for k in RECIPE} == {k: printed[k] for k in RECIPE}
@@ -39,7 +44,7 @@ def test_the_stored_run_is_the_printed_command():
 
 
 def test_the_jobs_add_up_to_one_whole_run():
-    run = load_run(METRICS)
+    run = stored_run()
     assert [e["epoch"] for e in run.epochs] == list(range(1, 201))  # no gap, no repeat
     assert run.resumes, "stored as one job: the resume path was not used"
     for start in run.resumes:  # each job resumed from a checkpoint (every 5 epochs)

@@ -243,6 +243,7 @@ def test_the_books_records_are_dated_and_hold_no_machine_paths(name):
 def test_the_chapters_read_their_records_without_measuring(monkeypatch):
     from tutorial_utils.bench import data_parallel, experiment, model_parallel, scaling
 
+    monkeypatch.delenv(records.MEASURE_ENV, raising=False)
     for module in (data_parallel, model_parallel, scaling):
         monkeypatch.setattr(module, "run", lambda *a: pytest.fail("measured, not read"))
     monkeypatch.setattr(experiment, "run_jobs", lambda *a: pytest.fail("trained, not read"))

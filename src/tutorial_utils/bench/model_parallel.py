@@ -18,17 +18,15 @@ import copy
 import dataclasses
 import math
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from ..config import Config, ConfigError, check, check_gpus, check_wrn, opt, parse_or_exit
 from ..devices import devices_for, gpu_count
-from ..launch import torchrun
+from ..launch import run_worker
 from ..models.wrn import wide_resnet
 from ..parallel.model_parallel import (
     ModelParallel,
@@ -41,11 +39,13 @@ from ..parallel.model_parallel import (
 )
 from ..step import forward_loss
 from ..timing import benchmark, cudnn_autotuning
-from ..workers.pipeline_stage import PipelineConfig
+from ..workers.pipeline_stage import PipelineConfig, StageRow
 from . import records
 from .report import Column, legend_outside, table
 
 RECORD = "03-model-parallel"
+WHAT = ("Chapter 3: a WRN-28-10 training step on one GPU, split over two, and pipelined with m "
+        "micro-batches")
 PIPELINE_WORKER = "tutorial_utils.workers.pipeline_stage"
 
 
@@ -133,9 +133,11 @@ def _stage_step(stage: nn.Module, inp: torch.Tensor):
 # cuDNN times its algorithms for each new shape (each micro-batch size) during the warm-up
 # steps, as the torchrun stages of workers/pipeline_stage.py do: both pipelines run alike.
 @cudnn_autotuning()
-def run(cfg: ModelParallelConfig) -> tuple[list[PipelineRow], list[torch.device]]:
-    """One device, the naive split and each pipeline of ``cfg``, timed in this process."""
-    devices = devices_for(cfg.devices)
+def run(cfg: ModelParallelConfig, cpu: bool = False) -> tuple[list[PipelineRow],
+                                                              list[torch.device]]:
+    """One device, the naive split and each pipeline of ``cfg``, timed in this process (on GPUs
+    where there are enough, or with ``cpu`` every stage on the CPU)."""
+    devices = [torch.device("cpu")] * cfg.devices if cpu else devices_for(cfg.devices)
     torch.manual_seed(0)
     base = wide_resnet(cfg.model).to(memory_format=torch.channels_last)
     x = torch.randn(cfg.batch, 3, 32, 32).to(devices[0], memory_format=torch.channels_last)
@@ -183,44 +185,49 @@ def _timed(model: nn.Module, x, y, devices, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def pipeline_worker(cfg: PipelineConfig, nproc: int = 2) -> dict:
+def pipeline_worker(cfg: PipelineConfig, nproc: int = 2) -> StageRow:
     """What :mod:`~tutorial_utils.workers.pipeline_stage` measured with ``cfg`` in ``nproc``
-    processes (its ``out`` replaced by a temporary file)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = dataclasses.replace(cfg, out=Path(tmp) / "pipeline.jsonl")
-        return torchrun(PIPELINE_WORKER, cfg.to_argv(), nproc=nproc, timeout_s=900,
-                        metrics_file=cfg.out, echo=False).metrics[0]
+    processes."""
+    return run_worker(PIPELINE_WORKER, cfg, nproc=nproc, row_type=StageRow)[0]
 
 
-def schedule_times(cfg: ModelParallelConfig, device: str) -> dict[str, dict]:
+def schedule_times(cfg: ModelParallelConfig, device: str) -> dict[str, StageRow]:
     """GPipe and 1F1B with one stage per process, timed as the in-process pipeline is."""
     return {s: pipeline_worker(PipelineConfig(
         model=cfg.model, batch=cfg.batch, micro_batches=cfg.worker_micro_batches, schedule=s,
         device=device, repeats=cfg.repeats), nproc=cfg.devices) for s in ("gpipe", "1f1b")}
 
 
-def rows_of(rows: list[PipelineRow], schedules: dict[str, dict]) -> list[dict]:
-    """The measurements as plain rows, as a record stores them."""
+def rows_of(rows: list[PipelineRow], schedules: dict[str, StageRow]) -> list[dict]:
+    """The measurements as plain rows, as a record stores them: each labelled by its kind."""
     return [dataclasses.asdict(r) | {"kind": "in_process"} for r in rows] + [
-        rec | {"kind": "schedule"} for rec in schedules.values()]
+        dataclasses.asdict(rec) | {"kind": "schedule"} for rec in schedules.values()]
 
 
-def from_rows(rows: list[dict]) -> tuple[list[PipelineRow], dict[str, dict]]:
+def from_rows(rows: list[dict]) -> tuple[list[PipelineRow], dict[str, StageRow]]:
     """What :func:`rows_of` stored, back as the benchmark's results."""
-    fields = {f.name for f in dataclasses.fields(PipelineRow)}
-    timed = [PipelineRow(**{k: v for k, v in r.items() if k in fields})
-             for r in rows if r["kind"] == "in_process"]
-    return timed, {r["schedule"]: r for r in rows if r["kind"] == "schedule"}
+    def typed(kind: str, row_type: type) -> list:
+        return [records.from_row(row_type, {k: v for k, v in r.items() if k != "kind"})
+                for r in rows if r["kind"] == kind]
+
+    return typed("in_process", PipelineRow), {s.schedule: s for s in typed("schedule", StageRow)}
 
 
-def measured(cfg: ModelParallelConfig) -> tuple[list[PipelineRow], dict[str, dict], records.Source]:
-    """Chapter 3's timings: its record where there is one, else measured here; and where from."""
-    def measure() -> list[dict]:
-        rows, _ = run(cfg)
-        device = "cuda" if gpu_count() >= cfg.devices else "cpu"
-        return rows_of(rows, schedule_times(cfg, device) if cfg.schedules else {})
+def measured(cfg: ModelParallelConfig) -> tuple[list[PipelineRow], dict[str, StageRow],
+                                                 records.Source]:
+    """Chapter 3's timings on ``cfg.devices`` GPUs: the record's; this machine's with
+    TUTORIAL_MEASURE=1; without a record, every stage on the CPU, at ``cfg``'s size."""
+    def measure(cpu: bool):
+        def rows() -> list[dict]:
+            timed, _ = run(cfg, cpu)
+            return rows_of(timed, schedule_times(cfg, "cpu" if cpu else "cuda")
+                           if cfg.schedules else {})
+        return rows
 
-    rows, source = records.read_or_measure(RECORD, measure, cfg)
+    rows, source = records.measured(
+        RECORD, measure(False), gpus=cfg.devices, cfg=cfg, stand_in=measure(True),
+        stand_in_where="this process",
+        compare=records.Compare(("name",), "measured_ms", "run: ms"))
     return (*from_rows(rows), source)
 
 
@@ -288,10 +295,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{cfg.model.upper()}, batch {cfg.batch}, devices {[str(d) for d in devices]}")
     print(table_of(rows, cfg.devices))
     for name, rec in schedules.items():
-        print(f"{name}: {rec['step_ms']:.1f} ms per step, one stage per process ({device})")
+        print(f"{name}: {rec.step_ms:.1f} ms per step, one stage per process ({device})")
     if cfg.record:
         path = records.write(RECORD, cfg, rows_of(rows, schedules), __spec__.name,
-                             [PIPELINE_WORKER])
+                             [PIPELINE_WORKER], gpus=cfg.devices, what=WHAT)
         print(f"wrote {path}")
 
 

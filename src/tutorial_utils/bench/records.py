@@ -271,9 +271,9 @@ class Compare:
         """One line per row of either: its name, the record's value, this machine's."""
         from .report import Column, table
 
-        def keyed(rows: list) -> dict:
+        def keyed(rows: list) -> dict:  # rows without the keys (another kind of row) left out
             return {tuple(str(_get(r, k)) for k in self.keys): _get(r, self.value)
-                    for r in rows}
+                    for r in rows if all(_get(r, k) is not None for k in self.keys)}
 
         theirs, mine = keyed(record), keyed(here)
         names = list(dict.fromkeys([*theirs, *mine]))

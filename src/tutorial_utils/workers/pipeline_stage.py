@@ -12,6 +12,7 @@ on the whole batch, in the same precision. Rank 0 writes one JSON line.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,24 @@ def model_maker(name: str):
     if name == "cnn":
         return small_net, None
     return functools.partial(wide_resnet, name), init_weights
+
+
+@dataclass
+class StageRow:
+    """What rank 0 writes: the pipeline that ran, its step time, and its gradient check."""
+
+    world_size: int
+    model: str
+    batch: int
+    micro_batches: int
+    schedule: str
+    precision: str
+    memory_format: str
+    cudnn_benchmark: bool
+    params_per_rank: list[int]
+    step_ms: float | None = None
+    max_grad_diff: float | None = None  # with --check: against one process's gradients
+    max_grad: float | None = None
 
 
 @dataclass
@@ -118,18 +137,17 @@ def main(argv: list[str] | None = None) -> None:
         x = torch.randn(cfg.batch, *SAMPLE).to(ctx.device, memory_format=fmt)
         y = torch.randint(0, 10, (cfg.batch,)).to(ctx.device)
         train_step(schedule, stage, x, y)
-        record = {"world_size": ctx.world_size, "model": cfg.model, "batch": cfg.batch,
-                  "micro_batches": cfg.micro_batches, "schedule": cfg.schedule,
-                  "precision": "bf16" if cfg.bf16 else "fp32",
-                  "memory_format": "channels_last" if cfg.channels_last else "contiguous",
-                  "cudnn_benchmark": on_gpu, "params_per_rank": params_per_rank(ctx, stage.submod)}
+        row = StageRow(ctx.world_size, cfg.model, cfg.batch, cfg.micro_batches, cfg.schedule,
+                       "bf16" if cfg.bf16 else "fp32",
+                       "channels_last" if cfg.channels_last else "contiguous", on_gpu,
+                       params_per_rank(ctx, stage.submod))
         if cfg.check:
-            record.update(grad_check(ctx, cfg, stage.submod, layers, x, y))
+            row = dataclasses.replace(row, **grad_check(ctx, cfg, stage.submod, layers, x, y))
         if cfg.repeats:
-            record["step_ms"] = benchmark(lambda: train_step(schedule, stage, x, y), warmup=2,
-                                          repeats=cfg.repeats, device=ctx.device).median_ms
+            row.step_ms = benchmark(lambda: train_step(schedule, stage, x, y), warmup=2,
+                                    repeats=cfg.repeats, device=ctx.device).median_ms
         if ctx.is_main:
-            write_jsonl(cfg.out, [record])
+            write_jsonl(cfg.out, [dataclasses.asdict(row)])
 
 
 if __name__ == "__main__":
