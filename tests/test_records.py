@@ -248,7 +248,7 @@ def test_the_chapters_read_their_records_without_measuring(monkeypatch):
         monkeypatch.setattr(module, "run", lambda *a: pytest.fail("measured, not read"))
     monkeypatch.setattr(experiment, "run_jobs", lambda *a: pytest.fail("trained, not read"))
     rows, ddp, source = data_parallel.measured(data_parallel.DataParallelConfig())
-    assert source.hardware == "2 x NVIDIA H200" and ddp["world_size"] == 2
+    assert source.hardware == "2 x NVIDIA H200" and ddp.world_size == 2
     assert data_parallel.summary(rows, ddp, data_parallel.DataParallelConfig())["ddp_x"] > 1
     rows, _, _ = model_parallel.measured(model_parallel.ModelParallelConfig())
     assert model_parallel.summary(rows)["best_m"] >= 1

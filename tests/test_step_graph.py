@@ -173,7 +173,7 @@ def test_the_eager_benchmark_step_never_waits_for_the_gpu(kernels):
     # A tensor lr in foreach SGD becomes a Python number on every step: a synchronisation
     # that cost the book's eager DDP rung 4 % against the same step with a float lr.
     from tutorial_utils.bench.workers.step_timing import make_optimizer
-    from tutorial_utils.bench.workload import StepTimingConfig
+    from tutorial_utils.bench.workers.step_timing import StepTimingConfig
 
     net = wide_resnet("wrn-10-1").cuda()
     for capture in (False, True):

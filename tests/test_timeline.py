@@ -75,10 +75,11 @@ def test_the_plot_has_a_row_per_stream_and_a_legend_entry_per_drawn_kind(tmp_pat
 
 def test_a_trace_from_the_worker_on_two_cpu_processes(tmp_path):
     trace = tmp_path / "trace.json"
+    from tutorial_utils.bench.ddp_timing import trace as ddp_trace
     from tutorial_utils.bench.workload import Workload
 
-    record = timeline.record(Workload("wrn-10-1", 2, 1, 1), 2, "cpu", False, trace)
-    assert record["world_size"] == 2
+    row = ddp_trace(Workload("wrn-10-1", 2, 1, 1), 2, "cpu", False, trace)
+    assert row.world_size == 2 and row.all_reduces >= 1 and row.no_sync_ms > 0
     events = timeline.load(trace)
     rows = timeline.rows(events)
     assert next(iter(rows)) == "host: main thread"  # whatever the interpreter is called

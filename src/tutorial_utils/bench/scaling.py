@@ -24,18 +24,12 @@ from ..config import Config, ConfigError, check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count, require_gpus
 from ..parallel.collectives import ring_all_reduce_seconds
 from . import records
+from .ddp_timing import STEP_TIMING, ddp_step, time_ddp
 from .report import Column, legend_outside, table
-from .workload import (
-    LADDER,
-    STEP_TIMING,
-    Workload,
-    ddp_step,
-    measure_rung,
-    time_data_parallel,
-    time_ddp,
-)
+from .workload import LADDER, Workload, measure_rung, time_data_parallel
 
 RECORD = "05b-scaling"
+WHAT = "Chapter 5b: one DDP training step, strong and weak scaling, one GPU against two"
 TRAIN_IMAGES = 50_000
 MODES = {"eager": LADDER[3], "CUDA graphs": LADDER[-1]}
 STEP_GRAPH = "step graph"  # measured by workers.step_timing in 1 or N processes alike
@@ -112,7 +106,7 @@ def single(cfg: ScalingConfig, batch: int, mode: str, device: str) -> Run:
     size = Workload(cfg.model, batch, cfg.warmup, cfg.repeats)
     if mode == STEP_GRAPH:
         rec = time_ddp(ddp_step(size, device, "default", capture=True), 1)
-        return Run("single", "1 GPU", mode, 1, batch, rec["ddp_ms"])
+        return Run("single", "1 GPU", mode, 1, batch, rec.ddp_ms)
     dev = torch.device("cuda:0" if device == "cuda" else "cpu")
     # A fresh compilation per batch size: otherwise the second size recompiles the network
     # with a symbolic batch dimension, which is slower than either specialised graph.
@@ -130,9 +124,8 @@ def ddp_run(cfg: ScalingConfig, per_gpu: int, n: int, mode: str, regime: str,
         rec = time_ddp(ddp_step(size, device, "default", capture=True), n)
     else:  # the same step as the single GPU's
         rec = time_ddp(ddp_step(size, device, MODES[mode].compile_mode or "none"), n)
-    ring_ms = ring_all_reduce_seconds(rec["grad_bytes"], n, rec["bus_gbps"]) * 1e3
-    return Run(regime, "DDP", mode, n, per_gpu, rec["ddp_ms"],
-               predicted_ms=rec["no_sync_ms"] + ring_ms)
+    ring_ms = ring_all_reduce_seconds(rec.grad_bytes, n, rec.bus_gbps) * 1e3
+    return Run(regime, "DDP", mode, n, per_gpu, rec.ddp_ms, predicted_ms=rec.no_sync_ms + ring_ms)
 
 
 def run(cfg: ScalingConfig) -> list[Run]:
@@ -168,10 +161,13 @@ def run(cfg: ScalingConfig) -> list[Run]:
 
 
 def measured(cfg: ScalingConfig) -> tuple[list[Run], records.Source]:
-    """Chapter 5b's runs: its record where there is one, else measured here; and where from."""
-    rows, source = records.read_or_measure(
-        RECORD, lambda: [dataclasses.asdict(r) for r in run(cfg)], cfg)
-    return [Run(**r) for r in rows], source
+    """Chapter 5b's runs on ``max(cfg.gpus)`` GPUs: the record's; this machine's with
+    TUTORIAL_MEASURE=1; without a record, in CPU processes at ``cfg``'s size."""
+    return records.measured(
+        RECORD, lambda: run(dataclasses.replace(cfg, device="cuda")), gpus=max(cfg.gpus),
+        cfg=cfg, row_type=Run, stand_in=lambda: run(dataclasses.replace(cfg, device="cpu")),
+        compare=records.Compare(("regime", "method", "mode", "gpus", "per_gpu_batch"),
+                                "step_ms", "regime method mode GPUs batch: step ms"))
 
 
 def best_run(runs: list[Run], regime: str, method: str = "DDP", mode: str | None = None,
@@ -270,8 +266,9 @@ def main(argv: list[str] | None = None) -> None:
     print(table_of(runs))
     print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
     if cfg.record:
-        rows = [dataclasses.asdict(r) for r in runs]
-        print(f"wrote {records.write(RECORD, cfg, rows, __spec__.name, [STEP_TIMING])}")
+        path = records.write(RECORD, cfg, runs, __spec__.name, [STEP_TIMING], gpus=max(cfg.gpus),
+                             what=WHAT)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ with ``--trace PATH``): a JSON list of events, each with a category, a start ``t
 duration ``dur`` in microseconds, a process ``pid`` and a thread ``tid``. A GPU kernel's
 ``pid`` is its device and its ``tid`` its stream; a host event's are the process and thread.
 :func:`plot` draws them as bars; :func:`overlap` says, per step, how long communication ran
-and how much of it ran beside compute.
+and how much of it ran beside compute. :func:`profile_steps` makes such a trace inside a
+worker; :func:`tutorial_utils.bench.ddp_timing.trace` launches the DDP step's.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from .workload import Workload
-
 HOST_OPS, LAUNCHES, GLOO = "host: PyTorch operators", "host: CUDA calls", "gloo collectives"
 COMPUTE, NCCL, COPIES = "GPU: compute kernels", "GPU: NCCL kernels", "GPU: copies, memsets"
 COLOURS = {HOST_OPS: "0.6", LAUNCHES: "C1", GLOO: "C3", COMPUTE: "C0", NCCL: "C3", COPIES: "C2"}
@@ -30,16 +29,6 @@ COLLECTIVE = re.compile(r"^(?:nccl|gloo):(all_reduce|broadcast)")
 # A thread the profiler names after the interpreter (python, python3, python3.12) has no
 # name of its own; a process's main thread (tid == pid) is labelled as such on any machine.
 INTERPRETER = re.compile(r"^python[\d.]*$")
-
-
-def record(size: Workload, n: int, device: str, graphed: bool, trace: Path) -> dict:
-    """Time and profile one DDP configuration with
-    :mod:`~tutorial_utils.bench.workers.step_timing` in ``n`` processes (a step graph when
-    ``graphed``); rank 0's Chrome trace goes to ``trace``."""
-    from .workload import ddp_step, time_ddp
-
-    return time_ddp(ddp_step(size, device, "default" if graphed else "none", capture=graphed,
-                             trace=trace), n)
 
 
 def profile_steps(step, device: torch.device, trace: Path | None, steps: int = 5) -> dict:

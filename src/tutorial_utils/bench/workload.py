@@ -10,18 +10,13 @@ this process for each :class:`Rung` of optimisations, :func:`time_data_parallel`
 
 from __future__ import annotations
 
-import dataclasses
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 import torch
 from torch import nn
 
 from ..config import Config, check, check_wrn, opt
-from ..launch import torchrun
 from ..models.wrn import wide_resnet
 from ..parallel.data_parallel import make_data_parallel
 from ..step import train_step
@@ -33,8 +28,6 @@ from ..timing import (
     synchronize,
     tf32_enabled,
 )
-
-STEP_TIMING = "tutorial_utils.bench.workers.step_timing"
 
 
 @dataclass
@@ -51,28 +44,6 @@ class Workload(Config):
         check((self.batch >= 1, f"--batch must be >= 1, got {self.batch}"),
               (self.warmup >= 0, f"--warmup must be >= 0, got {self.warmup}"),
               (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
-
-
-@dataclass
-class StepTimingConfig(Workload):
-    """Time a DDP training step of a Wide-ResNet, with and without its all-reduce."""
-
-    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
-    compile: Literal["none", "default", "reduce-overhead"] = opt(
-        "none", "torch.compile mode of the network inside DDP")
-    optimizer: Literal["foreach", "fused"] = opt(
-        "foreach", "SGD as a few multi-tensor kernels (as chapter 2's ladder) or one pass over "
-        "each tensor (as train.py)")
-    capture: bool = opt(False, "record each whole step as one CUDA graph (GPU only; with "
-                        "--optimizer fused)")
-    trace: Path | None = opt(None, "rank 0 also writes a profiler trace of a few steps here")
-    out: Path = opt(Path("runs/step_timing.jsonl"), "rank 0 appends its JSON line here")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check((not self.capture or self.optimizer == "fused",
-               "--capture records the optimizer step too, which must read its lr from a tensor "
-               "on the GPU: add --optimizer fused (foreach SGD bakes the lr in)"))
 
 
 @dataclass(frozen=True)
@@ -180,23 +151,3 @@ def time_data_parallel(size: Workload, n_gpus: int, cudnn_benchmark: bool) -> fl
         step = TrainStep(model, model, opt_, x.to(memory_format=torch.channels_last), y, True)
         warmup, repeats = (1, 5) if cudnn_benchmark else (size.warmup, size.repeats)
         return benchmark(step, warmup=warmup, repeats=repeats, device=dev).median_ms
-
-
-def time_ddp(cfg: StepTimingConfig, n: int, timeout_s: float = 900) -> dict:
-    """The record of :mod:`~tutorial_utils.bench.workers.step_timing` run with ``cfg`` in ``n``
-    processes (its ``out`` replaced by a temporary file)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = dataclasses.replace(cfg, out=Path(tmp) / "ddp.jsonl")
-        result = torchrun(STEP_TIMING, cfg.to_argv(), nproc=n, timeout_s=timeout_s,
-                          metrics_file=cfg.out, echo=False)
-    return result.metrics[0]
-
-
-def ddp_step(size: Workload, device: str, compile_mode: str = "none", capture: bool = False,
-             trace: Path | None = None) -> StepTimingConfig:
-    """The DDP step of ``size`` on ``device``; ``capture`` records it whole as one CUDA graph,
-    with fused SGD as in ``train.py``."""
-    shared = {f.name: getattr(size, f.name) for f in dataclasses.fields(Workload)}
-    return StepTimingConfig(**shared, device=device, compile=compile_mode,
-                            capture=capture, optimizer="fused" if capture else "foreach",
-                            trace=trace)

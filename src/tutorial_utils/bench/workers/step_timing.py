@@ -13,17 +13,21 @@ With ``--capture`` each timed step is one CUDA graph holding the whole step, all
 optimizer included (:class:`~tutorial_utils.step_graph.StepGraph`); combine it with
 ``--compile default`` for fused kernels without torch.compile's own graphs. With ``--trace
 PATH`` rank 0 also writes a profiler trace of a few DDP steps (open it in Perfetto). Every
-option: :class:`~tutorial_utils.bench.workload.StepTimingConfig`.
+option: :class:`StepTimingConfig`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 import torch
 
-from ...config import parse_or_exit
+from ...config import check, opt, parse_or_exit
 from ...jsonl import write_jsonl
 from ...models.wrn import wide_resnet
 from ...parallel.collectives import measure_bus_bandwidth
@@ -33,7 +37,53 @@ from ...step import forward_loss
 from ...step_graph import StepGraph
 from ...timing import benchmark, host_clock_without_sync, synchronize
 from ..timeline import profile_steps
-from ..workload import StepTimingConfig
+from ..workload import Workload
+
+
+@dataclass
+class StepTimingConfig(Workload):
+    """Time a DDP training step of a Wide-ResNet, with and without its all-reduce."""
+
+    device: Literal["auto", "cpu", "cuda"] = opt("auto", "cuda needs one GPU per process")
+    compile: Literal["none", "default", "reduce-overhead"] = opt(
+        "none", "torch.compile mode of the network inside DDP")
+    optimizer: Literal["foreach", "fused"] = opt(
+        "foreach", "SGD as a few multi-tensor kernels (as chapter 2's ladder) or one pass over "
+        "each tensor (as train.py)")
+    capture: bool = opt(False, "record each whole step as one CUDA graph (GPU only; with "
+                        "--optimizer fused)")
+    trace: Path | None = opt(None, "rank 0 also writes a profiler trace of a few steps here")
+    out: Path = opt(Path("runs/step_timing.jsonl"), "rank 0 appends its row here")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check((not self.capture or self.optimizer == "fused",
+               "--capture records the optimizer step too, which must read its lr from a tensor "
+               "on the GPU: add --optimizer fused (foreach SGD bakes the lr in)"))
+
+
+@dataclass
+class StepTiming:
+    """Rank 0's row: the DDP step, the same step without communication, and the link."""
+
+    ddp_ms: float  # median
+    ddp_spread: float | None  # interquartile range over the median
+    host_ms: float | None  # the host's time to queue one step
+    no_sync_ms: float  # the step inside no_sync(): the compute alone
+    grad_bytes: int
+    bus_gbps: float | None  # an all-reduce as large as the gradients (None: one process)
+    world_size: int
+    model: str
+    compile: str
+    optimizer: str
+    capture: bool
+    per_gpu_batch: int
+    device: str
+    # with --trace: GPU time per step in kernels and in NCCL, collectives launched per step
+    gpu_kernels_ms: float | None = None
+    gpu_nccl_ms: float | None = None
+    all_reduces: float | None = None
+    broadcasts: float | None = None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -42,13 +92,13 @@ def main(argv: list[str] | None = None) -> None:
         # The graphs are released (inner block) before the process group is destroyed.
         with StepGraph(ctx.device, cfg.capture) as graph, \
                 StepGraph(ctx.device, cfg.capture) as local_graph:
-            record = measure(cfg, ctx, graph, local_graph)
+            row = measure(cfg, ctx, graph, local_graph)
         if ctx.is_main:
-            write_jsonl(cfg.out, [record])
+            write_jsonl(cfg.out, [dataclasses.asdict(row)])
 
 
 def measure(cfg: StepTimingConfig, ctx: DistContext, graph: StepGraph,
-            local_graph: StepGraph) -> dict:
+            local_graph: StepGraph) -> StepTiming:
     """Time the DDP step (in ``graph``) and the same step under ``no_sync`` (``local_graph``)."""
     dev = ctx.device
     torch.backends.cudnn.benchmark = True
@@ -83,10 +133,10 @@ def measure(cfg: StepTimingConfig, ctx: DistContext, graph: StepGraph,
                         repeats=cfg.repeats, device=dev)
     grad_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     busbw = measure_bus_bandwidth(grad_bytes, dev) if ctx.is_distributed else None
-    return record | {"no_sync_ms": compute.median_ms, "grad_bytes": grad_bytes,
-                     "bus_gbps": busbw, "world_size": ctx.world_size, "model": cfg.model,
-                     "compile": cfg.compile, "optimizer": cfg.optimizer, "capture": cfg.capture,
-                     "per_gpu_batch": cfg.batch, "device": str(dev)}
+    return StepTiming(**record, no_sync_ms=compute.median_ms, grad_bytes=grad_bytes,
+                      bus_gbps=busbw, world_size=ctx.world_size, model=cfg.model,
+                      compile=cfg.compile, optimizer=cfg.optimizer, capture=cfg.capture,
+                      per_gpu_batch=cfg.batch, device=str(dev))
 
 
 def make_optimizer(cfg: StepTimingConfig, net: torch.nn.Module) -> torch.optim.SGD:
