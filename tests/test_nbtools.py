@@ -216,3 +216,19 @@ def test_a_records_changed_modules_are_what_the_chapter_printed(tmp_path, packag
     assert nbtools.stale_problems(nb, package_copy) == [
         f"record {key}: the modules it ran that changed since differ from what the chapter "
         "printed (tutorial_utils.toy)"]
+
+
+def test_a_chapter_that_found_no_record_is_stale_once_the_record_is_made(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(_READING_CELL.replace(".rows", "") % str(root))]
+    path = tmp_path / "reading.ipynb"
+    nbformat.write(nb, path)
+    meta = execute_notebook(path)  # prints None: no record yet, the chapter measured instead
+    key = str((root / "tiny.jsonl").resolve())
+    assert meta["records"] == {key: {"sha256": "missing", "changed": []}}
+    assert check_notebook(path) == []
+    _tiny_record(root, [{"x": 1}])
+    (finding,) = check_notebook(path)
+    assert finding.problem == f"record {key} was made since its outputs were made"

@@ -172,8 +172,7 @@ def test_step_timing_captures_and_times_the_step_on_a_gpu(tmp_path):
 def test_the_eager_benchmark_step_never_waits_for_the_gpu(kernels):
     # A tensor lr in foreach SGD becomes a Python number on every step: a synchronisation
     # that cost the book's eager DDP rung 4 % against the same step with a float lr.
-    from tutorial_utils.bench.workers.step_timing import make_optimizer
-    from tutorial_utils.bench.workers.step_timing import StepTimingConfig
+    from tutorial_utils.bench.workers.step_timing import StepTimingConfig, make_optimizer
 
     net = wide_resnet("wrn-10-1").cuda()
     for capture in (False, True):

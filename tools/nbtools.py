@@ -166,7 +166,9 @@ def stale_problems(nb: nbformat.NotebookNode, package_root: Path = PACKAGE_ROOT)
     for name, then in meta.get("records", {}).items():
         state = record_state(name, package_root)
         if state["sha256"] != then["sha256"]:
-            problems.append(f"record {name} was remade since its outputs were made")
+            what = "made" if then["sha256"] == "missing" else (
+                "removed" if state["sha256"] == "missing" else "remade")
+            problems.append(f"record {name} was {what} since its outputs were made")
         elif state["changed"] != then["changed"]:
             problems.append(f"record {name}: the modules it ran that changed since differ from "
                             f"what the chapter printed ({', '.join(state['changed']) or 'none'})")

@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..config import Config, check, opt, parse_or_exit
+from ..config import Config, check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count
-from ..launch import torchrun
+from ..launch import run_worker
 from . import records
 from .report import Column, table
-from .workers.ddp_knobs import KnobsStepConfig
+from .workers.ddp_knobs import KnobsRow, KnobsStepConfig
 
 WORKER = "tutorial_utils.bench.workers.ddp_knobs"
 # each setting's name in the chapter's glue ("defaults_ms", "view_x", "ca_graphs", ...)
@@ -37,6 +35,11 @@ KEYS = {"defaults": "defaults", "gradient_as_bucket_view": "view", "static_graph
 def record_name(nproc: int) -> str:
     """The record of a run on ``nproc`` GPUs."""
     return f"05b-ddp-knobs-{nproc}gpu"
+
+
+def what(nproc: int) -> str:
+    return ("Chapter 5b: DDP's settings one at a time, "
+            + ("as a group of one process on one GPU" if nproc == 1 else f"on {nproc} GPUs"))
 
 
 @dataclass
@@ -59,33 +62,36 @@ class KnobsConfig(Config):
     def device(self) -> str:
         return "cuda" if gpu_count() >= self.nproc else "cpu"
 
-    def worker(self, out: Path = Path("knobs.jsonl")) -> KnobsStepConfig:
+    def worker(self) -> KnobsStepConfig:
         return KnobsStepConfig(model=self.model, batch=self.batch, buckets=self.buckets,
-                               compiled=self.compiled, repeats=self.repeats, out=out)
+                               compiled=self.compiled, repeats=self.repeats)
 
 
-def run(cfg: KnobsConfig) -> list[dict]:
-    """Every setting, side by side in one launch of ``cfg.nproc`` processes: the worker's lines."""
-    with tempfile.TemporaryDirectory() as tmp:
-        worker = dataclasses.replace(cfg.worker(Path(tmp) / "knobs.jsonl"), device=cfg.device)
-        return torchrun(WORKER, worker.to_argv(), nproc=cfg.nproc, timeout_s=1200,
-                        metrics_file=worker.out, echo=False).metrics
+def run(cfg: KnobsConfig, device: str | None = None) -> list[KnobsRow]:
+    """Every setting, side by side in one launch of ``cfg.nproc`` processes (on ``device``,
+    by default GPUs where there are enough)."""
+    worker = dataclasses.replace(cfg.worker(), device=device or cfg.device)
+    return run_worker(WORKER, worker, nproc=cfg.nproc, timeout_s=1200, row_type=KnobsRow)
 
 
-def measured(cfg: KnobsConfig) -> tuple[list[dict], records.Source]:
-    """The rows for ``cfg.nproc`` processes: its record where there is one, else measured here."""
-    return records.read_or_measure(record_name(cfg.nproc), lambda: run(cfg), cfg)
+def measured(cfg: KnobsConfig) -> tuple[list[KnobsRow], records.Source]:
+    """The rows for ``cfg.nproc`` GPUs: the record's; this machine's with TUTORIAL_MEASURE=1;
+    without a record, ``cfg.nproc`` CPU processes at ``cfg``'s size."""
+    return records.measured(
+        record_name(cfg.nproc), lambda: run(cfg, "cuda"), gpus=cfg.nproc, cfg=cfg,
+        row_type=KnobsRow, stand_in=lambda: run(cfg, "cpu"),
+        compare=records.Compare(("setting",), "step_ms", "setting: step ms"))
 
 
-def _view(r: dict, defaults: dict) -> dict:
+def _view(r: KnobsRow, defaults: KnobsRow) -> dict:
     """A row as the tables show it (a setting this torch could not run says why)."""
-    if "failed" in r:
-        return r | {"in_graphs": f"failed: {r['failed']}"[:60]}
-    own = r["grad_storages"] == r["grad_tensors"]  # else views into DDP's bucket memory
-    in_graphs = (f"{r['graphs']} ({r['all_reduces_in_graphs']} all-reduces)"
-                 if r.get("compiled") else None)
-    return r | {"gradients": "  " + ("own tensors" if own else "in buckets"),
-                "in_graphs": in_graphs, "vs": defaults["step_ms"] / r["step_ms"]}
+    row = dataclasses.asdict(r)
+    if r.failed:
+        return row | {"in_graphs": f"failed: {r.failed}"[:60]}
+    own = r.grad_storages == r.grad_tensors  # else views into DDP's bucket memory
+    in_graphs = f"{r.graphs} ({r.all_reduces_in_graphs} all-reduces)" if r.compiled else None
+    return row | {"gradients": "  " + ("own tensors" if own else "in buckets"),
+                  "in_graphs": in_graphs, "vs": defaults.step_ms / r.step_ms}
 
 
 WHAT_COLUMNS = (Column("setting", "setting", width=30, left=True),
@@ -100,13 +106,13 @@ COST_COLUMNS = (Column("setting", "setting", width=30, left=True),
                 Column("vs", "vs defaults", ".2f", 12, unit="x"))
 
 
-def what_table(rows: list[dict]) -> str:
+def what_table(rows: list[KnobsRow]) -> str:
     """Per setting, what runs in one step: collectives launched (per step), where the
     gradients live, and for compiled settings the graphs and the all-reduces inside them."""
     return table([_view(r, rows[0]) for r in rows], WHAT_COLUMNS)
 
 
-def cost_table(rows: list[dict]) -> str:
+def cost_table(rows: list[KnobsRow]) -> str:
     """Per setting: step and host times, communication with no compute beside it, peak memory,
     and the defaults' step time over this one's (above 1: faster)."""
     return table([_view(r, rows[0]) for r in rows], COST_COLUMNS)
@@ -119,40 +125,49 @@ def key(setting: str) -> str:
     return KEYS[setting]
 
 
-def summary(rows: list[dict]) -> dict[str, float | str]:
+def _or_nan(value) -> float:
+    return math.nan if value is None else value
+
+
+def summary(rows: list[KnobsRow]) -> dict[str, float | str]:
     """The chapter's glue: per setting its step time, its speed-up over the defaults, its
     collectives; the fastest bucket size; the memory the bucket view saved; the graphs. A
     setting that could not run has NaN numbers and its error as ``<key>_failed``."""
-    defaults, nan = rows[0], math.nan
-    out: dict[str, float | str] = {"world_size": defaults["world_size"],
-                                   "grad_mib": defaults["grad_mib"]}
+    defaults, n = rows[0], _or_nan
+    out: dict[str, float | str] = {"world_size": defaults.world_size,
+                                   "grad_mib": n(defaults.grad_mib)}
     for r in rows:
-        k = key(r["setting"])
-        out |= {f"{k}_ms": r.get("step_ms", nan),
-                f"{k}_x": defaults["step_ms"] / r.get("step_ms", nan),
-                f"{k}_reduces": r.get("all_reduces", nan), f"{k}_bcasts": r.get("broadcasts", nan),
-                f"{k}_peak": r.get("peak_gib", nan), f"{k}_failed": r.get("failed", "")}
-        if r.get("compiled"):
-            out |= {f"{k}_graphs": r.get("graphs", nan),
-                    f"{k}_in_graphs": r.get("all_reduces_in_graphs", nan)}
-    sweep = [r for r in rows if r["setting"].startswith("bucket_cap_mb=")]
-    fastest = min(sweep, key=lambda r: r["step_ms"])
-    view = next(r for r in rows if r["setting"] == "gradient_as_bucket_view")
-    out |= {"best_bucket": fastest["setting"].removeprefix("bucket_cap_mb="),
-            "best_bucket_x": defaults["step_ms"] / fastest["step_ms"],
-            "view_saved_gib": defaults.get("peak_gib", nan) - view.get("peak_gib", nan),
-            "loss_diff": max(abs(a - b) for r in rows if not r.get("compiled")
-                             for a, b in zip(defaults["losses"], r["losses"], strict=True))}
-    return out
+        k = key(r.setting)
+        out |= {f"{k}_ms": n(r.step_ms), f"{k}_x": defaults.step_ms / n(r.step_ms),
+                f"{k}_reduces": n(r.all_reduces), f"{k}_bcasts": n(r.broadcasts),
+                f"{k}_peak": n(r.peak_gib), f"{k}_failed": r.failed or ""}
+        if r.compiled:
+            out |= {f"{k}_graphs": n(r.graphs), f"{k}_in_graphs": n(r.all_reduces_in_graphs)}
+    sweep = [r for r in rows if r.setting.startswith("bucket_cap_mb=")]
+    fastest = min(sweep, key=lambda r: r.step_ms)
+    view = next(r for r in rows if r.setting == "gradient_as_bucket_view")
+    eager = [r for r in rows if not r.compiled and r.losses]  # losses not kept: NaN
+    return out | {
+        "best_bucket": fastest.setting.removeprefix("bucket_cap_mb="),
+        "best_bucket_x": defaults.step_ms / fastest.step_ms,
+        "view_saved_gib": n(defaults.peak_gib) - n(view.peak_gib),
+        "loss_diff": max((abs(a - b) for r in eager for a, b in
+                          zip(defaults.losses, r.losses, strict=True)), default=math.nan)}
+
+
+def _gpus_for_a_record(cfg: KnobsConfig) -> None:
+    if cfg.record:  # a record names its GPUs: never CPU processes in their place
+        check_gpus(cfg.nproc, "--nproc", "leave out --record to time CPU processes")
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(KnobsConfig, argv, __spec__.name)
+    cfg = parse_or_exit(KnobsConfig, argv, __spec__.name, _gpus_for_a_record)
     rows = run(cfg)
     print(what_table(rows), cost_table(rows), sep="\n\n")
     if cfg.record:
-        name = record_name(cfg.nproc)
-        print(f"wrote {records.write(name, cfg, rows, __spec__.name, [WORKER])}")
+        path = records.write(record_name(cfg.nproc), cfg, rows, __spec__.name, [WORKER],
+                             gpus=cfg.nproc, what=what(cfg.nproc))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -159,6 +159,7 @@ def load(name: str, root: Path | None = None) -> Record | None:
     A record whose rows do not number what its header says (a copy cut short) is refused.
     """
     path = path_of(name, root)
+    _log_read(path)  # a record still missing is logged too: once made, the chapter is stale
     try:
         lines = read_jsonl(path)
     except ValueError as err:
@@ -170,7 +171,6 @@ def load(name: str, root: Path | None = None) -> Record | None:
     if "rows" in header and header["rows"] != len(rows):
         raise RecordError(f"{path} holds {len(rows)} of its {header['rows']} rows: it is torn; "
                           f"restore it (git checkout) or remake it: {header['command']}")
-    _log_read(path)
     return Record(name, header, rows)
 
 

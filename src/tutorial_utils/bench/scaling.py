@@ -28,6 +28,7 @@ from .ddp_timing import STEP_TIMING, ddp_step, time_ddp
 from .report import Column, legend_outside, table
 from .workload import LADDER, Workload, measure_rung, time_data_parallel
 
+TRACE = "05b-trace"
 RECORD = "05b-scaling"
 WHAT = "Chapter 5b: one DDP training step, strong and weak scaling, one GPU against two"
 TRAIN_IMAGES = 50_000
@@ -168,6 +169,52 @@ def measured(cfg: ScalingConfig) -> tuple[list[Run], records.Source]:
         cfg=cfg, row_type=Run, stand_in=lambda: run(dataclasses.replace(cfg, device="cpu")),
         compare=records.Compare(("regime", "method", "mode", "gpus", "per_gpu_batch"),
                                 "step_ms", "regime method mode GPUs batch: step ms"))
+
+
+@dataclass
+class TraceRow:
+    """One DDP configuration profiled on rank 0 of two devices: what chapter 5b's timeline
+    draws (the spans of each host thread and GPU stream), and the step's times."""
+
+    model: str
+    batch: int  # per device
+    graphed: bool  # recorded as one CUDA graph per step (GPUs), else eager
+    where: str
+    ddp_ms: float
+    no_sync_ms: float
+    host_ms: float | None
+    rows: dict[str, list[list]]  # row label -> [start us, duration us, category]
+    starts: list[float]  # each profiled step's start on the host (us)
+    shares: dict  # timeline.overlap: communication, compute and the two at once, per step
+
+
+def measure_trace(step: Workload, device: str) -> TraceRow:
+    """Profile the DDP step of ``step`` in two processes on ``device`` (a step graph on GPUs)."""
+    import tempfile
+    from pathlib import Path
+
+    from . import timeline
+    from .ddp_timing import trace
+
+    graphed = device == "cuda"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        rec = trace(step, 2, device, graphed, path)
+        events = timeline.load(path)
+    return TraceRow(step.model, step.batch, graphed,
+                    "two GPUs (NCCL)" if graphed else "two CPU processes (gloo)", rec.ddp_ms,
+                    rec.no_sync_ms, rec.host_ms,
+                    {k: [list(s) for s in v] for k, v in timeline.rows(events).items()},
+                    timeline.step_starts(events), timeline.overlap(events))
+
+
+def traced(gpu: Workload, cpu: Workload) -> tuple[TraceRow, records.Source]:
+    """The profiled step: the record's (two GPUs, a step graph); two GPUs' with
+    TUTORIAL_MEASURE=1 at ``gpu``; without a record, two CPU processes at ``cpu``."""
+    (row,), source = records.measured(
+        TRACE, lambda: [measure_trace(gpu, "cuda")], gpus=2, cfg=gpu, row_type=TraceRow,
+        stand_in=lambda: [measure_trace(cpu, "cpu")])
+    return row, source
 
 
 def best_run(runs: list[Run], regime: str, method: str = "DDP", mode: str | None = None,

@@ -165,10 +165,15 @@ def overlap(events: list[dict]) -> dict[str, float | str]:
 
 def plot(events: list[dict], title: str):
     """One row per host thread and GPU stream, time in ms from the first drawn event."""
+    return plot_rows(rows(events), step_starts(events), title)
+
+
+def plot_rows(table: dict[str, list], starts: list[float], title: str):
+    """:func:`plot` from what it draws: the spans of each row (:func:`rows`) and the steps'
+    starts (:func:`step_starts`), as a record keeps them."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    table = rows(events)
     t0 = min(start for spans in table.values() for start, _, _ in spans)
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(table) + 1.4))
     drawn = set()
@@ -179,7 +184,7 @@ def plot(events: list[dict], title: str):
                 ax.broken_barh(bars, (y - 0.4, 0.8), color=COLOURS[cat], linewidth=0)
                 drawn.add(cat)
     handles = [Patch(color=COLOURS[c], label=c) for c in COLOURS if c in drawn]
-    for k, start in enumerate(step_starts(events)):
+    for k, start in enumerate(starts):
         line = ax.axvline((start - t0) / 1e3, color="k", ls=":", lw=0.8)
         if k == 0:
             line.set_label("a step starts (host)")

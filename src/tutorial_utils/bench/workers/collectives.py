@@ -13,6 +13,7 @@ too (role "check"), to test the alpha-beta model's prediction for exactly that s
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,28 @@ def operation(name: str, nbytes: int, ctx: DistContext) -> Callable[[], object]:
     return ops[name]
 
 
+@dataclass
+class CollectiveRow:
+    """Rank 0's row: a collective timed at one size (``sweep``), the hand-written ring against
+    ``dist.all_reduce`` (``equal``), or chapter 4's all-reduce of a network's gradients
+    (``check``)."""
+
+    collective: str
+    role: str  # "sweep", "equal" or "check"
+    world_size: int = 0
+    backend: str = ""
+    device: str = ""
+    nbytes: int | None = None
+    time_s: float | None = None  # median
+    q25_s: float | None = None
+    q75_s: float | None = None
+    repeats: int | None = None
+    algbw_gbps: float | None = None
+    busbw_gbps: float | None = None
+    numel: int | None = None  # role "equal": the numbers compared
+    max_diff: float | None = None
+
+
 def measure(name: str, nbytes: int, ctx: DistContext, args: CollectivesWorkerConfig) -> dict:
     fn = operation(name, nbytes, ctx)
     ctx.barrier()  # start together: a late rank's delay would land in the first calls
@@ -127,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
                              "need several processes")
         records = run(args, ctx)
         if ctx.is_main:
-            write_jsonl(args.out, records)
+            write_jsonl(args.out, [dataclasses.asdict(CollectiveRow(**r)) for r in records])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ settings, the graphs compiled and the all-reduces inside them.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import tempfile
 import warnings
@@ -45,6 +46,36 @@ from .common import fresh_batches, group_of_one, time_steps
 COMPILED = {"compiled, a graph per bucket": "ddp_optimizer",
             "compiled, one graph": "no_optimization",
             "compiled autograd": "python_reducer"}
+
+
+@dataclass
+class KnobsRow:
+    """Rank 0's row for one setting: what ran in a step, what it cost, or why it could not."""
+
+    setting: str
+    knobs: dict
+    compiled: str | None  # how torch.compile meets DDP; None: not compiled
+    world_size: int = 1
+    device: str = ""
+    model: str = ""
+    per_gpu_batch: int = 0
+    losses: list[float] | None = None  # the first steps' losses, compared across settings
+    grad_tensors: int | None = None
+    grad_mib: float | None = None
+    grad_storages: int | None = None  # fewer than grad_tensors: views into DDP's buckets
+    step_ms: float | None = None
+    step_spread: float | None = None
+    host_ms: float | None = None
+    images_per_s: float | None = None
+    all_reduces: float | None = None  # per step
+    broadcasts: float | None = None
+    comm_ms: float | None = None
+    exposed_ms: float | None = None  # communication with no compute beside it
+    graphs: int | None = None  # compiled settings: graphs, and all-reduces inside them
+    all_reduces_in_graphs: int | None = None
+    backend: str | None = None
+    peak_gib: float | None = None
+    failed: str | None = None  # a compiled setting this torch could not run: why
 
 
 @dataclass
@@ -209,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
         if ctx.is_main:
             common = {"world_size": ctx.world_size, "device": str(ctx.device),
                       "model": cfg.model, "per_gpu_batch": cfg.batch}
-            write_jsonl(cfg.out, [common | r for r in records])
+            write_jsonl(cfg.out, [dataclasses.asdict(KnobsRow(**r, **common)) for r in records])
 
 
 if __name__ == "__main__":
