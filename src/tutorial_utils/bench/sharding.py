@@ -16,15 +16,12 @@ each mode in processes of its own (an out-of-memory error can leave memory behin
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
-from ..config import Config, check, opt, parse_or_exit
+from ..config import Config, check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count
-from ..launch import torchrun
+from ..launch import run_worker
 from . import records
 from .report import Column, table
 from .workers.fsdp_step import VARIANTS, FsdpStepConfig, Variant
@@ -69,21 +66,19 @@ class ShardingConfig(Config):
 
 
 def _launch(worker: FsdpStepConfig, nproc: int) -> list[dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        worker = dataclasses.replace(worker, out=Path(tmp) / "fsdp.jsonl")
-        return torchrun(WORKER, worker.to_argv(), nproc=nproc, timeout_s=900,
-                        metrics_file=worker.out, echo=False).metrics
+    return run_worker(WORKER, worker, nproc=nproc)
 
 
-def run(cfg: ShardingConfig) -> list[dict]:
+def run(cfg: ShardingConfig, device: str | None = None) -> list[dict]:
     """Every mode and variant side by side at each batch, then each mode under the cap (on two
-    GPUs or more): the worker's lines."""
-    gpus = cfg.device == "cuda"
+    GPUs or more): the worker's lines. ``device``: cuda or cpu (default: GPUs if enough)."""
+    device = device or cfg.device
+    gpus = device == "cuda"
     rows = []
     for batch in cfg.batches:
         modes = _launch(FsdpStepConfig(model=cfg.model, batch=batch, repeats=cfg.repeats,
                                        variants=cfg.variants if gpus else ("eager",),
-                                       device=cfg.device), cfg.nproc)
+                                       device=device), cfg.nproc)
         rows += [r | {"kind": "modes"} for r in modes]
     if gpus and cfg.nproc >= 2:  # sharding over one process saves nothing
         for mode in FIT_MODES:
@@ -94,9 +89,19 @@ def run(cfg: ShardingConfig) -> list[dict]:
     return rows
 
 
+def what(nproc: int) -> str:
+    return ("Chapter 6: FSDP2's sharding modes against DDP, step time and memory, "
+            + ("as a group of one process on one GPU" if nproc == 1 else f"on {nproc} GPUs"))
+
+
 def measured(cfg: ShardingConfig) -> tuple[list[dict], records.Source]:
-    """Chapter 6's rows: its record where there is one, else measured here; and where from."""
-    return records.read_or_measure(record_name(cfg.nproc), lambda: run(cfg), cfg)
+    """Chapter 6's rows for ``cfg.nproc`` GPUs: the record's; this machine's with
+    TUTORIAL_MEASURE=1; without a record, ``cfg.nproc`` CPU processes at ``cfg``'s size."""
+    return records.measured(
+        record_name(cfg.nproc), lambda: run(cfg, "cuda"), gpus=cfg.nproc, cfg=cfg,
+        stand_in=lambda: run(cfg, "cpu"),
+        compare=records.Compare(("mode", "variant", "per_gpu_batch"), "step_ms",
+                                "mode variant batch: step ms"))
 
 
 def _modes(rows: list[dict], batch: int | None = None) -> list[dict]:
@@ -214,16 +219,22 @@ def summary(rows: list[dict]) -> dict[str, float | str]:
     return out
 
 
+def _gpus_for_a_record(cfg: ShardingConfig) -> None:
+    if cfg.record:  # a record names its GPUs: never CPU processes in their place
+        check_gpus(cfg.nproc, "--nproc", "leave out --record to time CPU processes")
+
+
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(ShardingConfig, argv, __spec__.name)
+    cfg = parse_or_exit(ShardingConfig, argv, __spec__.name, _gpus_for_a_record)
     rows = run(cfg)
     print(state_table(rows))
     for batch in batches(rows):
         print(f"\n{batch} images per process:\n{time_table(rows, batch)}")
     print(*fit_lines(rows), sep="\n")
     if cfg.record:
-        name = record_name(cfg.nproc)
-        print(f"wrote {records.write(name, cfg, rows, __spec__.name, [WORKER])}")
+        path = records.write(record_name(cfg.nproc), cfg, rows, __spec__.name, [WORKER],
+                             gpus=cfg.nproc, what=what(cfg.nproc))
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
