@@ -3,7 +3,7 @@
 
 PYTHON     ?= python3
 VENV       ?= .venv
-NB         ?= $(sort $(wildcard notebooks/*.ipynb))
+NB         ?= $(sort $(wildcard notebooks/*.ipynb)) book/records.ipynb
 WHEELHOUSE ?=
 WHEELHOUSE_PYTHON ?= 3.12
 # The notebooks under `make gpu-test`: on the GPU at the small size (full: at the size `make
@@ -88,7 +88,8 @@ browser:
 
 # `make gpu-test` runs what only a GPU can check, in two halves that can also run alone: the
 # tests marked gpu or multigpu (`gpu-pytest`; the rest of the suite runs in `make test`), and
-# every notebook on the GPU (`gpu-notebooks`).
+# every notebook with TUTORIAL_MEASURE=1, so that each measures on the GPU instead of reading its
+# records (`gpu-notebooks`).
 gpu-test: gpu-pytest gpu-notebooks
 NEED_GPU = $(PY) -c "import torch, sys; torch.cuda.is_available() or sys.exit('make $@ \
 	needs a CUDA GPU; on a CPU machine run make test')"
@@ -99,36 +100,51 @@ gpu-pytest: $(SETUP)
 
 gpu-notebooks: $(SETUP)
 	@$(NEED_GPU)
-	TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
+	TUTORIAL_MEASURE=1 TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
 
+# Re-run every chapter in place and stamp it, on any machine: GPU numbers come from records.
 execute: $(SETUP)
-	$(PY) tools/nbtools.py execute $(if $(FORCE),--force) $(NB)
+	$(PY) tools/nbtools.py execute $(NB)
 
-# The measurements a one-GPU machine cannot make, or not within a chapter's time: one command
-# per chapter writes its record under book/data (`make records RECORDS="05b 06"` for some).
-# Chapters 3, 3b, 4, 5, 5b (its scaling benchmark, and 05b-knobs: DDP's settings), 6 and 7 need
-# GPUS GPUs; 5d, 5e and 5e-bn train on one GPU for longer, and can be made in parts that add up
-# to one record (`make records RECORDS=05e ONLY=0-2`, then 3-5).
-GPUS    ?= 2
-RECORDS_ALL = 03 03b 04 05 05b 05b-knobs 06 07 05d 05e 05e-bn
-RECORDS ?= $(RECORDS_ALL)
-REC_03  = tutorial_utils.bench.model_parallel --devices $(GPUS) --schedules
-REC_03b = tutorial_utils.bench.collectives --nproc $(GPUS)
-REC_04  = tutorial_utils.bench.data_parallel --gpus $(GPUS)
-REC_05  = tutorial_utils.bench.experiment --plan 05 --gpus $(GPUS) --data $(DATA)
-REC_05b = tutorial_utils.bench.scaling --gpus $(GPUS)
-REC_05b-knobs = tutorial_utils.bench.ddp_knobs --nproc $(GPUS)
-REC_06  = tutorial_utils.bench.sharding --nproc $(GPUS)
-REC_07  = tutorial_utils.bench.transformer --gpus $(GPUS)
+# Every number the book measured on GPUs is a dated record in book/data, which the chapters read
+# on any machine (book/setup.md). `make records` remakes those this machine's GPUs can make:
+# the one-GPU records on one GPU, and with GPUS=N (N >= 2, default: every GPU here) the N-GPU
+# ones too; `make records RECORDS="02 05c"` for some. A record names the GPUs it needs, and is
+# refused, old record kept, on fewer. 5d, 5e and 5e-bn are long sweeps that can be made in parts
+# adding up to one record (`make records RECORDS=05e ONLY=0-2`, then 3-5); 05-200ep trains for
+# about half an hour.
+GPUS       ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
+RECORDS_1  = 02 05c 05-loaders 05b-knobs-1 06-nccl-1 06-sharding-1 07-gpt 05d 05e 05e-bn 05-200ep
+RECORDS_N  = 03 03b 04 05 05b 05b-trace 05b-knobs 06 06-nccl 07
+RECORDS_ALL = $(RECORDS_1) $(RECORDS_N)
+RECORDS    ?= $(if $(filter 0 1,$(or $(GPUS),0)),$(RECORDS_1),$(RECORDS_ALL))
+REC_02        = tutorial_utils.bench.one_gpu
+REC_05c       = tutorial_utils.bench.memory
+REC_05-loaders = tutorial_utils.bench.experiment --plan 05-loaders --data $(DATA)
+REC_05b-knobs-1 = tutorial_utils.bench.ddp_knobs --nproc 1
+REC_06-nccl-1 = tutorial_utils.bench.nccl --gpus 1
+REC_06-sharding-1 = tutorial_utils.bench.sharding --nproc 1
+REC_07-gpt    = tutorial_utils.bench.transformer
 REC_05d = tutorial_utils.bench.experiment --plan 05d --data $(DATA) $(if $(ONLY),--only $(ONLY))
 REC_05e = tutorial_utils.bench.experiment --plan 05e --data $(DATA) $(if $(ONLY),--only $(ONLY))
 REC_05e-bn = tutorial_utils.bench.experiment --plan 05e-bn --data $(DATA) \
 	$(if $(ONLY),--only $(ONLY))
+REC_05-200ep  = tutorial_utils.bench.experiment --plan 05-200ep --data $(DATA)
+REC_03        = tutorial_utils.bench.model_parallel --devices $(GPUS) --schedules
+REC_03b       = tutorial_utils.bench.collectives --nproc $(GPUS)
+REC_04        = tutorial_utils.bench.data_parallel --gpus $(GPUS)
+REC_05        = tutorial_utils.bench.experiment --plan 05 --gpus $(GPUS) --data $(DATA)
+REC_05b       = tutorial_utils.bench.scaling --gpus $(GPUS)
+REC_05b-trace = tutorial_utils.bench.scaling --trace
+REC_05b-knobs = tutorial_utils.bench.ddp_knobs --nproc $(GPUS)
+REC_06        = tutorial_utils.bench.sharding --nproc $(GPUS)
+REC_06-nccl   = tutorial_utils.bench.nccl --gpus $(GPUS)
+REC_07        = tutorial_utils.bench.transformer --gpus $(GPUS)
 DATA    ?= $(or $(TUTORIAL_CIFAR10),auto)
 records: $(SETUP)
 	@$(NEED_GPU)
-	@for c in $(RECORDS); do case $$c in 03|03b|04|05|05b|05b-knobs|06|07|05d|05e|05e-bn) ;; *) \
-	  echo "make records: no chapter $$c has a record; use some of: $(RECORDS_ALL)"; \
+	@for c in $(RECORDS); do case " $(RECORDS_ALL) " in *" $$c "*) ;; *) \
+	  echo "make records: no record is made by $$c; use some of: $(RECORDS_ALL)"; \
 	  exit 2;; esac; done
 	$(foreach c,$(RECORDS),$(PY) -m $(REC_$(c)) --record &&) true
 

@@ -376,3 +376,42 @@ def _differences(theirs: dict, cfg) -> str:
     mine = to_dict(cfg)
     return ", ".join(f"{k} {theirs.get(k)} there, {v} here" for k, v in mine.items()
                      if k not in ("record", "out") and theirs.get(k) != v)
+
+
+@dataclass(frozen=True)
+class Index:
+    """Every record of the book, and the records chapters wait for (they read none yet)."""
+
+    made: list[Record]
+    pending: dict[str, list[str]]  # a missing record's name -> the chapters that look for it
+
+    def _repr_markdown_(self) -> str:
+        lines = ["| record | what it measures | measured on | date (UTC) | commit | modules "
+                 "changed since | remade by |", "|---|---|---|---|---|---|---|"]
+        for r in self.made:
+            changed, total = len(r.changed_modules()), len(r.header.get("modules", {}))
+            lines.append(f"| `{r.name}` | {r.header.get('what', '')} | {r.hardware} | "
+                         f"{r.header['stamp']['date_utc']} | `{r.commit}` | "
+                         + (f"{changed} of {total}" if total else "not recorded")
+                         + f" | `{r.header['command']}` |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        out = [f"{r.name}: {r.hardware}, {r.date}, commit {r.commit}" for r in self.made]
+        out += [f"{name}: pending ({', '.join(chapters)})" for name, chapters
+                in self.pending.items()]
+        return "\n".join(out)
+
+
+def index(root: Path | None = None, notebooks: Path | None = None) -> Index:
+    """The records under ``root`` (the book's by default), and those that the executed
+    chapters under ``notebooks`` looked for and did not find."""
+    root = Path(root or ROOT)
+    made = [r for p in sorted(root.glob("*.jsonl")) if (r := load(p.stem, root)) is not None]
+    pending: dict[str, list[str]] = {}
+    for nb in sorted(Path(notebooks or root.parents[1] / "notebooks").glob("*.ipynb")):
+        meta = json.loads(nb.read_text()).get("metadata", {}).get("tutorial_utils", {})
+        for key, state in meta.get("records", {}).items():
+            if state.get("sha256") == "missing" and not (root / Path(key).name).exists():
+                pending.setdefault(Path(key).stem, []).append(nb.stem)
+    return Index(made, dict(sorted(pending.items())))

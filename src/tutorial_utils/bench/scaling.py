@@ -52,6 +52,8 @@ class ScalingConfig(Config):
     data_parallel: bool = opt(True, "also time nn.DataParallel (GPUs only)")
     device: Literal["auto", "cpu", "cuda"] = opt(
         "auto", "cuda, or cpu for CPU processes in place of GPUs (auto: cuda if there is one)")
+    trace: bool = opt(False, f"instead, profile one DDP step on two GPUs (strong scaling, a "
+                      f"step graph): the record {TRACE}")
     record: bool = opt(False, f"write the result as the record {RECORD} (book/data)")
 
     def __post_init__(self) -> None:
@@ -307,6 +309,8 @@ def plot(runs: list[Run], title: str):
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(ScalingConfig, argv, __spec__.name, ScalingConfig.check_machine)
+    if cfg.trace:
+        return _trace_main(cfg)
     if gpu_count() == 0 and set(cfg.modes) & set(GPU_ONLY_MODES):
         print("no GPU: the CUDA-graph runs are left out")
     runs = run(cfg)
@@ -315,6 +319,17 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.record:
         path = records.write(RECORD, cfg, runs, __spec__.name, [STEP_TIMING], gpus=max(cfg.gpus),
                              what=WHAT)
+        print(f"wrote {path}")
+
+
+def _trace_main(cfg: ScalingConfig) -> None:
+    step = Workload(cfg.model, cfg.global_batch // 2, cfg.warmup, cfg.repeats)
+    row = measure_trace(step, cfg.on)
+    print(f"DDP step {row.ddp_ms:.2f} ms on {row.where}, communication alone "
+          f"{row.shares['exposed_ms']:.2f} ms per step")
+    if cfg.record:
+        path = records.write(TRACE, cfg, [row], __spec__.name, [STEP_TIMING], gpus=2,
+                             what="Chapter 5b: a profiler timeline of one DDP step on two GPUs")
         print(f"wrote {path}")
 
 
