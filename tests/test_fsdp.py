@@ -87,9 +87,9 @@ def test_one_process_forms_a_group_of_one_so_that_fsdp2_wraps_the_model():
 
 
 def row(mode, variant, step_ms, host_ms, batch=128):
-    return {"kind": "modes", "mode": mode, "variant": variant, "step_ms": step_ms,
-            "host_ms": host_ms, "per_gpu_batch": batch, "world_size": 1, "losses": [2.0, 1.9],
-            "params": 4e6, "grads": 4e6, "optimizer": 4e6, "images_per_s": batch / step_ms * 1e3}
+    return fsdp_step.FsdpRow(mode, variant, step_ms=step_ms, host_ms=host_ms,
+                             per_gpu_batch=batch, world_size=1, losses=[2.0, 1.9], params=4e6,
+                             grads=4e6, optimizer=4e6, images_per_s=batch / step_ms * 1e3)
 
 
 def test_the_sharding_table_marks_each_modes_best_and_the_host_bound_rows():

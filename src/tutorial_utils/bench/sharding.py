@@ -16,6 +16,7 @@ each mode in processes of its own (an out-of-memory error can leave memory behin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from ..devices import gpu_count
 from ..launch import run_worker
 from . import records
 from .report import Column, table
-from .workers.fsdp_step import VARIANTS, FsdpStepConfig, Variant
+from .workers.fsdp_step import VARIANTS, FsdpRow, FsdpStepConfig, Variant
 
 WORKER = "tutorial_utils.bench.workers.fsdp_step"
 FIT_MODES = ("ddp", "zero1", "zero3", "zero3-blocks")
@@ -65,11 +66,11 @@ class ShardingConfig(Config):
         return "cuda" if gpu_count() >= self.nproc else "cpu"
 
 
-def _launch(worker: FsdpStepConfig, nproc: int) -> list[dict]:
-    return run_worker(WORKER, worker, nproc=nproc)
+def _launch(worker: FsdpStepConfig, nproc: int) -> list[FsdpRow]:
+    return run_worker(WORKER, worker, nproc=nproc, row_type=FsdpRow)
 
 
-def run(cfg: ShardingConfig, device: str | None = None) -> list[dict]:
+def run(cfg: ShardingConfig, device: str | None = None) -> list[FsdpRow]:
     """Every mode and variant side by side at each batch, then each mode under the cap (on two
     GPUs or more): the worker's lines. ``device``: cuda or cpu (default: GPUs if enough)."""
     device = device or cfg.device
@@ -79,13 +80,13 @@ def run(cfg: ShardingConfig, device: str | None = None) -> list[dict]:
         modes = _launch(FsdpStepConfig(model=cfg.model, batch=batch, repeats=cfg.repeats,
                                        variants=cfg.variants if gpus else ("eager",),
                                        device=device), cfg.nproc)
-        rows += [r | {"kind": "modes"} for r in modes]
+        rows += modes
     if gpus and cfg.nproc >= 2:  # sharding over one process saves nothing
         for mode in FIT_MODES:
             (fit,) = _launch(FsdpStepConfig(model=cfg.fit_model, batch=cfg.fit_batch,
                                             modes=(mode,), fit_gib=cfg.fit_gib, device="cuda"),
                              cfg.nproc)
-            rows.append(fit | {"kind": "fit"})
+            rows.append(dataclasses.replace(fit, kind="fit"))
     return rows
 
 
@@ -94,26 +95,26 @@ def what(nproc: int) -> str:
             + ("as a group of one process on one GPU" if nproc == 1 else f"on {nproc} GPUs"))
 
 
-def measured(cfg: ShardingConfig) -> tuple[list[dict], records.Source]:
+def measured(cfg: ShardingConfig) -> tuple[list[FsdpRow], records.Source]:
     """Chapter 6's rows for ``cfg.nproc`` GPUs: the record's; this machine's with
     TUTORIAL_MEASURE=1; without a record, ``cfg.nproc`` CPU processes at ``cfg``'s size."""
     return records.measured(
         record_name(cfg.nproc), lambda: run(cfg, "cuda"), gpus=cfg.nproc, cfg=cfg,
-        stand_in=lambda: run(cfg, "cpu"),
+        stand_in=lambda: run(cfg, "cpu"), row_type=FsdpRow,
         compare=records.Compare(("mode", "variant", "per_gpu_batch"), "step_ms",
                                 "mode variant batch: step ms"))
 
 
-def _modes(rows: list[dict], batch: int | None = None) -> list[dict]:
+def _modes(rows: list[FsdpRow], batch: int | None = None) -> list[FsdpRow]:
     """The comparison's rows at ``batch`` (default: the first batch measured), in order."""
-    modes = [r for r in rows if r["kind"] == "modes" and "step_ms" in r]
-    batch = modes[0]["per_gpu_batch"] if batch is None else batch
-    return [r for r in modes if r["per_gpu_batch"] == batch]
+    modes = [r for r in rows if r.kind == "modes" and r.step_ms is not None]
+    batch = modes[0].per_gpu_batch if batch is None else batch
+    return [r for r in modes if r.per_gpu_batch == batch]
 
 
-def batches(rows: list[dict]) -> list[int]:
+def batches(rows: list[FsdpRow]) -> list[int]:
     """The per-GPU batches of the comparison, in the order measured."""
-    return list(dict.fromkeys(r["per_gpu_batch"] for r in rows if r["kind"] == "modes"))
+    return list(dict.fromkeys(r.per_gpu_batch for r in rows if r.kind == "modes"))
 
 
 STATE_COLUMNS = (Column("mode", "", width=13, left=True), Column("params", "params MB", ".1f"),
@@ -122,11 +123,12 @@ STATE_COLUMNS = (Column("mode", "", width=13, left=True), Column("params", "para
                  Column("losses", "  first losses", width=2, left=True, missing=""))
 
 
-def state_table(rows: list[dict]) -> str:
+def state_table(rows: list[FsdpRow]) -> str:
     """Per mode (eager, first batch): the state a rank holds (MB) and its first losses."""
-    return table([r | {k: r[k] / 1e6 for k in ("params", "grads", "optimizer")}
-                  | {"losses": "  " + " ".join(f"{v:.4f}" for v in r["losses"])}
-                  for r in _modes(rows) if r["variant"] == "eager"], STATE_COLUMNS)
+    return table([{"mode": r.mode, "params": r.params / 1e6, "grads": r.grads / 1e6,
+                   "optimizer": r.optimizer / 1e6,
+                   "losses": "  " + " ".join(f"{v:.4f}" for v in r.losses)}
+                  for r in _modes(rows) if r.variant == "eager"], STATE_COLUMNS)
 
 
 TIME_COLUMNS = (Column("mode", "", width=13, left=True), Column("variant", "variant", width=8,
@@ -136,37 +138,37 @@ TIME_COLUMNS = (Column("mode", "", width=13, left=True), Column("variant", "vari
                 Column("marks", "", width=2, left=True, missing=""))
 
 
-def host_bound(row: dict) -> bool:
+def host_bound(row: FsdpRow) -> bool:
     """Whether the host's time to queue the row's step is at least 90 % of the step."""
-    return row["host_ms"] >= HOST_BOUND * row["step_ms"]
+    return row.host_ms >= HOST_BOUND * row.step_ms
 
 
-def best(rows: list[dict], modes: tuple[str, ...]) -> dict | None:
+def best(rows: list[FsdpRow], modes: tuple[str, ...]) -> FsdpRow | None:
     """The fastest of ``rows`` whose mode is one of ``modes``."""
-    return min((r for r in rows if r["mode"] in modes), key=lambda r: r["step_ms"], default=None)
+    return min((r for r in rows if r.mode in modes), key=lambda r: r.step_ms, default=None)
 
 
-def time_table(rows: list[dict], batch: int) -> str:
+def time_table(rows: list[FsdpRow], batch: int) -> str:
     """Per mode and variant at ``batch``: step and host times, images/s, peak memory; each
     mode's fastest variant marked "best", and "host-bound" where the host's time to queue a
     step is at least 90 % of the step."""
     here = _modes(rows, batch)
-    fastest = {id(best(here, (m,))) for m in dict.fromkeys(r["mode"] for r in here)}
+    fastest = {id(best(here, (m,))) for m in dict.fromkeys(r.mode for r in here)}
     out = []
     for r in here:
         marks = ["best" if id(r) in fastest else "",
                  "host-bound" if host_bound(r) else ""]
-        out.append(r | {"marks": "  " + ", ".join(m for m in marks if m)})
+        out.append(dataclasses.asdict(r) | {"marks": "  " + ", ".join(m for m in marks if m)})
     return table(out, TIME_COLUMNS)
 
 
-def fit_lines(rows: list[dict]) -> list[str]:
+def fit_lines(rows: list[FsdpRow]) -> list[str]:
     """One line per capped mode: trained (with its state and peak) or ran out of memory."""
     out = []
-    for r in (r for r in rows if r["kind"] == "fit"):
-        state_gib = (r["params"] + r["grads"] + r["optimizer"]) / 2**30 if r["fits"] else 0
+    for r in (r for r in rows if r.kind == "fit"):
+        state_gib = r.state / 2**30 if r.fits else 0
         out.append(f"{r['mode']:<13}" + (f"trains: state {state_gib:.2f} GiB per GPU, peak "
-                                          f"{r['peak_gib']:.2f} GiB" if r["fits"] else
+                                          f"{r['peak_gib']:.2f} GiB" if r.fits else
                                           f"out of memory under the {r['fit_gib']:g} GiB cap"))
     return out
 
@@ -174,47 +176,48 @@ def fit_lines(rows: list[dict]) -> list[str]:
 COMPILED = ("blocks", "model")
 
 
-def compile_slower(rows: list[dict], batch: int) -> list[dict]:
+def compile_slower(rows: list[FsdpRow], batch: int) -> list[FsdpRow]:
     """The compiled rows at ``batch`` of the modes whose every compiled variant stepped slower
     than the mode's eager step."""
     here = _modes(rows, batch)
-    eager = {r["mode"]: r["step_ms"] for r in here if r["variant"] == "eager"}
-    compiled = [r for r in here if r["variant"] in COMPILED and r["mode"] in eager]
-    slower = {m for m in eager if any(r["mode"] == m for r in compiled)
-              and all(r["step_ms"] > eager[m] for r in compiled if r["mode"] == m)}
-    return [r for r in compiled if r["mode"] in slower]
+    eager = {r.mode: r.step_ms for r in here if r.variant == "eager"}
+    compiled = [r for r in here if r.variant in COMPILED and r.mode in eager]
+    slower = {m for m in eager if any(r.mode == m for r in compiled)
+              and all(r.step_ms > eager[m] for r in compiled if r.mode == m)}
+    return [r for r in compiled if r.mode in slower]
 
 
-def summary(rows: list[dict]) -> dict[str, float | str]:
+def summary(rows: list[FsdpRow]) -> dict[str, float | str]:
     """Chapter 6's glue: the state per mode, the losses' spread, and at each batch DDP's and
     FSDP2's best variant, their ratio and how much of DDP's eager step the host took."""
-    first = {r["mode"]: r for r in _modes(rows) if r["variant"] == "eager"}
+    first = {r.mode: r for r in _modes(rows) if r.variant == "eager"}
     ddp = first["ddp"]
     out: dict[str, float | str] = {
-        "world_size": ddp["world_size"],
+        "world_size": ddp.world_size,
         "loss_diff": max(abs(a - b) for r in first.values()
-                         for a, b in zip(ddp["losses"], r["losses"], strict=True))}
+                         for a, b in zip(ddp.losses, r.losses, strict=True))}
     for name, r in first.items():
-        out[f"state_{name.replace('-', '_')}"] = (r["params"] + r["grads"] + r["optimizer"]) / 1e6
+        out[f"state_{name.replace('-', '_')}"] = r.state / 1e6
     for batch in batches(rows):
         here = _modes(rows, batch)
-        eager = {r["mode"]: r for r in here if r["variant"] == "eager"}
+        eager = {r.mode: r for r in here if r.variant == "eager"}
         top_ddp, top_fsdp = best(here, ("ddp",)), best(here, SHARDED)
         slower = compile_slower(rows, batch)
-        names = list(dict.fromkeys(r["mode"] for r in slower))
+        names = list(dict.fromkeys(r.mode for r in slower))
         out |= {f"compile_slower_{batch}": (", ".join(names[:-1]) + " and " + names[-1]
                                             if len(names) > 1 else "".join(names) or "none"),
                 f"compile_slower_rows_{batch}": len(slower),
                 f"compile_slower_host_bound_{batch}": sum(map(host_bound, slower))}
-        out |= {f"host_ddp_{batch}": eager["ddp"]["host_ms"] / eager["ddp"]["step_ms"],
-                f"eager_ddp_{batch}": eager["ddp"]["step_ms"],
-                f"eager_zero3_{batch}": eager.get("zero3", {}).get("step_ms", math.nan),
-                f"best_ddp_{batch}": top_ddp["step_ms"],
-                f"best_ddp_{batch}_name": top_ddp["variant"],
-                f"best_fsdp_{batch}": top_fsdp["step_ms"] if top_fsdp else math.nan,
-                f"best_fsdp_{batch}_name": (f"{top_fsdp['mode']}, {top_fsdp['variant']}"
+        zero3 = eager.get("zero3")
+        out |= {f"host_ddp_{batch}": eager["ddp"].host_ms / eager["ddp"].step_ms,
+                f"eager_ddp_{batch}": eager["ddp"].step_ms,
+                f"eager_zero3_{batch}": zero3.step_ms if zero3 else math.nan,
+                f"best_ddp_{batch}": top_ddp.step_ms,
+                f"best_ddp_{batch}_name": top_ddp.variant,
+                f"best_fsdp_{batch}": top_fsdp.step_ms if top_fsdp else math.nan,
+                f"best_fsdp_{batch}_name": (f"{top_fsdp.mode}, {top_fsdp.variant}"
                                             if top_fsdp else "not measured"),
-                f"fsdp_over_ddp_{batch}": (top_fsdp["step_ms"] / top_ddp["step_ms"]
+                f"fsdp_over_ddp_{batch}": (top_fsdp.step_ms / top_ddp.step_ms
                                            if top_fsdp else math.nan)}
     return out
 

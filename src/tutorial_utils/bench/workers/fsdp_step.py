@@ -23,6 +23,7 @@ time (CUDA events, after warm-up), the host's time to queue one step, the peak m
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +120,44 @@ def build(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig, graph
     return model, torch.optim.SGD(model.parameters(), **sgd)
 
 
+@dataclass
+class FsdpRow:
+    """Rank 0's row for one mode and variant: the state a rank holds, its first losses, the
+    step's times and peak memory; or why it was skipped or did not fit."""
+
+    mode: str
+    variant: str
+    world_size: int = 0
+    device: str = ""
+    model: str = ""
+    per_gpu_batch: int = 0
+    units: str = ""
+    prefetch: bool = False
+    fit_gib: float | None = None
+    sgd: str | None = None  # the optimizer's kernels: fused, foreach or a loop
+    losses: list[float] | None = None
+    fits: bool | None = None  # under --fit-gib: whether the mode trained at all
+    params: int | None = None  # bytes this rank holds
+    grads: int | None = None
+    optimizer: int | None = None
+    step_ms: float | None = None
+    step_spread: float | None = None
+    host_ms: float | None = None
+    images_per_s: float | None = None
+    gpu_kernels_ms: float | None = None  # with --trace
+    gpu_nccl_ms: float | None = None
+    all_reduces: float | None = None
+    broadcasts: float | None = None
+    peak_gib: float | None = None
+    skipped: str | None = None
+    kind: str = "modes"  # how the benchmark ran it: "modes" (the comparison) or "fit" (capped)
+
+    @property
+    def state(self) -> int:
+        """Bytes of model state this rank holds: parameters, gradients, optimizer."""
+        return self.params + self.grads + self.optimizer
+
+
 def measure(mode: str, variant: str, ctx: DistContext, args: FsdpStepConfig) -> dict:
     dev = ctx.device
     batches = fresh_batches(ctx, args.batch)
@@ -187,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
             common = {"world_size": ctx.world_size, "device": str(dev), "model": args.model,
                       "per_gpu_batch": args.batch, **{k: getattr(args, k) for k in
                                                       ("units", "prefetch", "fit_gib")}}
-            write_jsonl(args.out, [common | r for r in records])
+            write_jsonl(args.out, [dataclasses.asdict(FsdpRow(**common, **r)) for r in records])
 
 
 if __name__ == "__main__":
