@@ -53,18 +53,18 @@ def test_hand_written_all_reduce_equals_dist_all_reduce(hand_written, algorithm)
 
 
 def test_worker_writes_every_collective_and_size(records):
-    swept = {(r["collective"], r["nbytes"]) for r in records if r["role"] == "sweep"}
+    swept = {(r.collective, r.nbytes) for r in records if r.role == "sweep"}
     assert swept == {(c, n) for c in bench.COLLECTIVES for n in SIZES} | {
         (bench.RING, n) for n in SIZES}  # every fourth size and the largest
     for r in records:
-        assert r["world_size"] == 2 and r["backend"] == "gloo"
-        if r["role"] in ("sweep", "check"):
-            assert r["time_s"] > 0 and r["busbw_gbps"] > 0
-    (equal,) = [r for r in records if r["role"] == "equal"]
-    assert equal["max_diff"] == 0
-    (check,) = [r for r in records if r["role"] == "check"]
-    assert check["collective"] == "all_reduce"
-    assert check["nbytes"] == bench.gradient_bytes("wrn-10-1")
+        assert r.world_size == 2 and r.backend == "gloo"
+        if r.role in ("sweep", "check"):
+            assert r.time_s > 0 and r.busbw_gbps > 0
+    (equal,) = [r for r in records if r.role == "equal"]
+    assert equal.max_diff == 0
+    (check,) = [r for r in records if r.role == "check"]
+    assert check.collective == "all_reduce"
+    assert check.nbytes == bench.gradient_bytes("wrn-10-1")
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -77,9 +77,11 @@ def test_bad_settings_are_one_line_errors(kwargs, message):
 
 
 def synthetic_records(alpha=10e-6, beta=100e9, sizes=(4096, 2**20, 2**26), check=2**25):
+    from tutorial_utils.bench.workers.collectives import CollectiveRow
+
     """What the worker writes, for times that follow t = alpha + n / beta exactly."""
     common = {"world_size": 2, "backend": "nccl", "device": "cuda"}
-    rows = [common | {"collective": bench.RING, "role": "equal", "max_diff": 0.0}]
+    rows = [{**common, "collective": bench.RING, "role": "equal", "max_diff": 0.0}]
     for name in (*bench.COLLECTIVES, bench.RING):
         for n in sizes:
             t = alpha + n / beta
@@ -87,8 +89,9 @@ def synthetic_records(alpha=10e-6, beta=100e9, sizes=(4096, 2**20, 2**26), check
                                   "q25_s": t * 0.99, "q75_s": t * 1.01,
                                   "busbw_gbps": busbw_gbps(name, n, t, 2)})
     t = alpha + check / beta * 1.05  # measured 5 % slower than the model
-    return rows + [common | {"collective": "all_reduce", "role": "check", "nbytes": check,
-                             "time_s": t, "busbw_gbps": busbw_gbps("all_reduce", check, t, 2)}]
+    rows += [common | {"collective": "all_reduce", "role": "check", "nbytes": check,
+                       "time_s": t, "busbw_gbps": busbw_gbps("all_reduce", check, t, 2)}]
+    return [CollectiveRow(**r) for r in rows]
 
 
 def test_benchmark_fit_table_plot_and_summary():

@@ -108,8 +108,7 @@ def test_tables_and_figures_draw():
     curve = [Breakdown("wrn-x", b, 100, 100, 100, 10, 1000 * b) for b in (2, 4)]
     assert "peak/sum" in bm.curve_table(curve)
     bm.plot_curve(curve, "t")
-    rows = [{"segment": s, "breakdown": b, "step_ms": 1.0 + s} for s, b in zip((0, 1), curve,
-                                                                               strict=True)]
+    rows = [bm.CheckpointRow(s, 1.0 + s, b) for s, b in zip((0, 1), curve, strict=True)]
     assert "checkpoint every 1" in bm.checkpoint_table(rows)
     bm.plot_checkpointing(rows, "t")
     assert bm.checkpoint_summary(rows, names=("plain", "block"))["ck_block_slower_pct"] == 100
@@ -194,8 +193,8 @@ def test_the_allocator_figure_marks_each_step():
     import matplotlib
 
     matplotlib.use("Agg")
-    trace = {"batches": [4, 8], "ends": [2, 4], "timeline": [(0, 2 << 20), (1 << 20, 2 << 20),
-                                                              (0, 2 << 20), (3 << 20, 4 << 20)]}
+    trace = bm.AllocatorTrace([4, 8], [[0, 2 << 20], [1 << 20, 2 << 20], [0, 2 << 20],
+                                       [3 << 20, 4 << 20]], [2, 4], {})
     fig = bm.plot_allocator(trace, "t")
     (ax,) = fig.axes
     assert [t.get_text() for t in ax.texts] == ["batch 4", "batch 8"]
@@ -205,9 +204,9 @@ def test_the_allocator_figure_marks_each_step():
 @pytest.mark.gpu
 def test_the_allocator_trace_of_growing_batches():
     trace = bm.allocator_trace("wrn-16-2", [16, 24, 32], "cuda")
-    assert len(trace["ends"]) == 3 and trace["ends"] == sorted(trace["ends"])
-    assert trace["ends"][-1] <= len(trace["timeline"])
-    allocated, reserved = zip(*trace["timeline"], strict=True)
+    assert len(trace.ends) == 3 and trace.ends == sorted(trace.ends)
+    assert trace.ends[-1] <= len(trace.timeline)
+    allocated, reserved = zip(*trace.timeline, strict=True)
     assert max(allocated) > 32 * 3 * 32 * 32 * 2  # at least the last batch's bf16 images
-    state = trace["state"]
+    state = trace.state
     assert state["reserved"] >= state["allocated"] and state["largest_free"] <= state["free"]

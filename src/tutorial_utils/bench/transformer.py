@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-from ..config import Config, check, check_gpus, opt, parse_or_exit
+from ..config import Config, ConfigError, check, check_gpus, opt, parse_or_exit
 from ..launch import run_worker
 from ..models.gpt import GPT, GPTConfig, flops_per_token, lm_loss, shape_rules
 from ..text import Corpus, batch, stdlib_corpus, synthetic_corpus
@@ -333,8 +333,9 @@ def summary(steps: list[StepRow], run: TrainingRun) -> dict:
 def _enough_gpus(cfg: TransformerConfig) -> None:
     if cfg.gpus:  # N GPUs, one process each: never CPU processes that pass for them
         check_gpus(cfg.gpus, "--gpus", "--gpus 0 for the one-device part", fewest=2)
-    elif cfg.record:
-        check_gpus(1, "--record", "leave out --record to measure the CPU")
+    elif cfg.record and not torch.cuda.is_available():
+        raise ConfigError("--record measures the GPT on one GPU, and this machine has none; "
+                          "leave out --record to measure the CPU")
 
 
 def main(argv: list[str] | None = None) -> None:
