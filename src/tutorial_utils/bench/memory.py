@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import Config, ConfigError, check, check_wrn, opt, parse_or_exit
-from ..devices import gpu_count
+from ..config import Config, check, check_wrn, opt, parse_or_exit
 from ..memory import (
     PARTS,
     Breakdown,
@@ -422,7 +421,7 @@ def allocator(cfg: MemoryConfig) -> tuple[list[AllocatorTrace], records.Source]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(MemoryConfig, argv, __spec__.name, _one_gpu)
+    cfg = parse_or_exit(MemoryConfig, argv, __spec__.name, records.needs_gpus("5c"))
     gpu = _gpu()
     rows = [activation_curve(cfg.model, cfg.batches, gpu),
             activation_curve(cfg.wide, [cfg.ref], gpu),
@@ -434,12 +433,6 @@ def main(argv: list[str] | None = None) -> None:
         shown = dataclasses.replace(cfg, record=True)
         for name, what, made in zip(NAMES, WHAT, rows, strict=True):
             print(f"wrote {records.write(name, shown, made, __spec__.name, gpus=1, what=what)}")
-
-
-def _one_gpu(cfg: MemoryConfig) -> None:
-    if gpu_count() < 1:
-        raise ConfigError("chapter 5c's measurements need a CUDA GPU; on a CPU the chapter "
-                          "reads them from its records")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from ..config import check, opt, parse_or_exit
-from ..devices import gpu_count
 from ..timing import (
     benchmark,
     cold_call_ms,
@@ -40,8 +39,6 @@ NAMES = ("02-numerics", "02-copies", "02-clocks", "02-ladder", "02-sync")
 class OneGpuConfig(Workload):
     """Chapter 2's measurements on one GPU, each written as one of its records."""
 
-    model: str = opt("wrn-28-10", "the network, WRN-depth-width")
-    batch: int = opt(128, "images per step")
     warmup: int = opt(10, "untimed steps first")
     repeats: int = opt(30, "timed steps; the median is reported")
     copy_mib: int = opt(512, "MiB copied from host to GPU")
@@ -327,7 +324,7 @@ def sync_summary(rows: list[SyncRow]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg = parse_or_exit(OneGpuConfig, argv, __spec__.name, _one_gpu)
+    cfg = parse_or_exit(OneGpuConfig, argv, __spec__.name, records.needs_gpus("2"))
     gpu = _gpu()
     results = {NAMES[0]: (measure_numerics(gpu), Numerics),
                NAMES[1]: (measure_copies(cfg.copy_mib, gpu), Copy),
@@ -348,14 +345,6 @@ WHAT = ("Chapter 2: the toy network's output on a GPU against the CPU's, in FP32
         "Chapter 2: one bf16 training step timed cold, by the host clock alone, and right",
         "Chapter 2: the single-GPU speed ladder, fp32 to CUDA graphs",
         "Chapter 2: the step with and without the synchronisations it does not show")
-
-
-def _one_gpu(cfg: OneGpuConfig) -> None:
-    from ..config import ConfigError
-
-    if gpu_count() < 1:
-        raise ConfigError("chapter 2's measurements need a CUDA GPU; on a CPU the chapter "
-                          "reads them from its records")
 
 
 if __name__ == "__main__":

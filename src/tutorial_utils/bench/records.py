@@ -290,6 +290,20 @@ def _get(row, key: str):
     return row.get(key) if isinstance(row, dict) else getattr(row, key, None)
 
 
+def needs_gpus(chapter: str, gpus: int = 1) -> Callable[[object], None]:
+    """A machine check for a benchmark's ``main`` (``parse_or_exit``): one line, before any
+    work, where this machine has fewer GPUs than its measurements need."""
+    def check(_cfg) -> None:
+        from ..config import ConfigError
+        from ..devices import gpu_count
+
+        if gpu_count() < gpus:
+            raise ConfigError(f"chapter {chapter}'s measurements need {_gpus(gpus)}, this "
+                              f"machine has {gpu_count()}; the chapter reads them from its "
+                              "records")
+    return check
+
+
 def measures_here(gpus: int) -> bool:
     """Whether :func:`measured` runs the measurement on this machine (asked, and able to)."""
     from ..devices import gpu_count
