@@ -260,6 +260,7 @@ def error_of(capsys, *argv):
         (["--weight-decay=-1e-4"], "--weight-decay must be a number >= 0"),
         (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
         (["--limit-per-class", "0"], "--limit-per-class must be >= 1"),
+        (["--seed", str(2**70)], f"--seed must be between -2**40 and 2**40, got {2**70}"),
         (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
         (["--grad-accum", "3", "--batch", "64", "--device", "cpu"],
          "--grad-accum 3 does not divide the batch of 64 per process"),
@@ -288,6 +289,15 @@ def test_bad_options(capsys, argv, message):
 @pytest.mark.skipif(gpu_count() > 0, reason="needs a machine without GPUs")
 def test_gpu_requested_without_gpu(capsys):
     assert "no GPU; use --device cpu" in error_of(capsys, "--device", "cuda")
+
+
+def test_an_out_that_names_a_file_is_one_line(capsys, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("not a run folder")
+    err = error_of(capsys, "--device", "cpu", "--data", "synthetic", "--out", str(taken))
+    assert err.endswith(f"--out {taken} is a file; name a folder for metrics.jsonl and "
+                        "checkpoint.pt")
+    assert taken.read_text() == "not a run folder"
 
 
 def test_missing_dataset_is_one_line_naming_it(capsys, tmp_path, monkeypatch):

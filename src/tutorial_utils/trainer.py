@@ -137,6 +137,10 @@ class TrainConfig(Config):
              f"--warmup-epochs must be in [0, --epochs], got {self.warmup_epochs}"),
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
+            # the loaders derive their generators' seeds from it: beyond this, past 2**64
+            (abs(self.seed) < 2**40, f"--seed must be between -2**40 and 2**40, got {self.seed}"),
+            (not Path(self.out).exists() or Path(self.out).is_dir(),
+             f"--out {self.out} is a file; name a folder for metrics.jsonl and checkpoint.pt"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
             (self.clip_norm is None or (math.isfinite(self.clip_norm) and self.clip_norm > 0),
              f"--clip-norm must be a number > 0, got {self.clip_norm}"),
