@@ -479,8 +479,13 @@ def test_a_diverging_run_ends_in_one_line(capsys, tmp_path):
                  str(tmp_path / "run")]) == 2
     *_, err = capsys.readouterr().err.strip().splitlines()  # after the synthetic-data warning
     assert err.startswith("python -m tutorial_utils.train: error: the loss was not finite")
-    assert err.endswith("resume from the last checkpoint or start afresh")
+    # advice the program accepts: not a resume, which must keep --lr (and would diverge again)
+    assert err.endswith("start afresh in another --out with a lower --lr (a resume keeps the "
+                        "checkpoint's --lr and would repeat the same steps)")
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert main(["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--lr",
+                 "0.1", "--data", "synthetic", "--device", "cpu", "--precision", "fp32",
+                 "--out", str(tmp_path / "afresh")]) == 0
 
 
 def test_gradient_accumulation_gives_the_gradients_of_the_whole_batch():
@@ -587,3 +592,59 @@ def test_bf16_on_a_cpu_without_bf16_instructions_trains_in_fp32(tmp_path, monkey
     assert start["config"]["precision"] == "fp32"  # the stamp says what ran
     monkeypatch.setattr(train_mod, "cpu_runs_bf16", lambda: True)
     assert train_mod.precision_here(bf16, cpu).precision == "bf16"
+
+
+def test_weights_that_diverged_while_the_loss_stayed_finite_are_not_saved(tmp_path, monkeypatch):
+    real = train_mod.Trainer.train_one_epoch
+
+    def blows_up_in_epoch_2(self, epoch):
+        record = real(self, epoch)
+        if epoch == 1:  # BatchNorm after it: the loss does not see the scale of this weight
+            with torch.no_grad():
+                dict(self.net.named_parameters())["1.conv1.weight"].mul_(1e37)
+        return record
+
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", blows_up_in_epoch_2)
+    cfg = tiny(tmp_path, epochs=3)
+    with pytest.raises(train_mod.Diverged, match=r"^after epoch 2 the weights are not finite "
+                       r"or beyond 1e\+30 in magnitude \(first: 1.conv1.weight\), so they were "
+                       "not saved; start afresh"):
+        run(cfg, CPU)
+    assert torch.load(cfg.out / "checkpoint.pt", weights_only=True)["epoch"] == 0  # epoch 1
+
+
+TWO_TINY = ["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--data",
+            "synthetic", "--device", "cpu", "--precision", "fp32"]
+
+
+def test_an_error_only_rank_1_hits_reaches_the_summary(tmp_path, monkeypatch):
+    from tutorial_utils.launch import LaunchError, torchrun
+
+    monkeypatch.undo()  # the real loader: the processes below load it too
+    cfg = parse(TrainConfig, [*TWO_TINY, "--limit-per-class", "10", "--out",
+                              str(tmp_path / "run")], "train")
+    run(cfg, CPU)
+    state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
+    # as if written by two processes, with rank 0's random state alone
+    save_checkpoint(cfg.out / "checkpoint.pt", state | {"world_size": 2})
+    with pytest.raises(LaunchError) as err:
+        torchrun("tutorial_utils.train", [*cfg.to_argv(), "--resume"], nproc=2, timeout_s=300,
+                 echo=False)
+    said = str(err.value)
+    assert said.startswith("rank 1 failed: python -m tutorial_utils.train: error: rank 1: "
+                           "the checkpoint holds 1 RNG states, none for rank 1"), said
+
+
+def test_a_divergence_names_the_first_bad_step_of_any_rank(tmp_path):
+    from pathlib import Path
+
+    from tutorial_utils.launch import LaunchError, torchrun
+
+    worker = Path(__file__).parent / "workers" / "nan_on_rank1.py"
+    with pytest.raises(LaunchError) as err:
+        torchrun(str(worker), [*TWO_TINY, "--limit-per-class", "50", "--out",
+                               str(tmp_path / "run")], nproc=2, timeout_s=300, echo=False)
+    said = [line for line in err.value.output.splitlines() if "error:" in line]
+    assert len(said) == 2, err.value.output  # each rank says it
+    # rank 1's loss was NaN from its third step, rank 0's from the fourth
+    assert all("the loss was not finite from step 3 on (epoch 1)" in line for line in said)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt
@@ -199,7 +200,16 @@ def saved_train_config(saved: dict[str, Any]) -> dict[str, Any]:
 # --- The run ------------------------------------------------------------------------------------
 
 class Diverged(RuntimeError):
-    """The loss stopped being a finite number; the message says where and what to do."""
+    """The loss or the weights stopped being sane numbers; the message says where and what to
+    do."""
+
+
+# What a resume cannot fix: it repeats the same steps, and must keep the checkpoint's --lr.
+AFTER_DIVERGING = ("start afresh in another --out with a lower --lr (a resume keeps the "
+                   "checkpoint's --lr and would repeat the same steps)")
+# No trained network comes near this; fp32 ends at 3.4e38, and a weight this large is one
+# update away from overflowing. Above it, or not finite, the weights are not saved.
+WEIGHT_LIMIT = 1e30
 
 
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
@@ -289,7 +299,9 @@ class Trainer:
         return {"name": self.data.name, "train_images": len(self.data.train_x)}
 
     def save(self, epoch: int) -> None:
-        """Every rank sends its random state; rank 0 writes the checkpoint."""
+        """Every rank checks the weights and sends its random state; rank 0 writes the
+        checkpoint. Weights that diverged are never saved: the last good checkpoint stays."""
+        self._check_weights(epoch)
         rngs = ckpt.gather_rng_states(self.ctx)
         if self.ctx.is_main:
             ckpt.save_checkpoint(self.checkpoint_path, {
@@ -298,6 +310,20 @@ class Trainer:
                 "rng": rngs, "epoch": epoch,
                 "config": to_dict(self.cfg), "world_size": self.ctx.world_size,
                 "dataset": self.dataset})
+
+    def _check_weights(self, epoch: int) -> None:
+        """Raise :class:`Diverged` on every rank if any rank's weights or BatchNorm statistics
+        are not finite or beyond WEIGHT_LIMIT: with BatchNorm, weights can grow without bound
+        while the loss stays finite."""
+        floats = {k: v for k, v in self.net.state_dict().items() if v.is_floating_point()}
+        sane = torch.stack([(v.abs() <= WEIGHT_LIMIT).all() for v in floats.values()])
+        if not all_reduce_sum(self.ctx, float(not sane.all()))[0]:
+            return
+        bad = [k for k, ok in zip(floats, sane.tolist(), strict=True) if not ok]
+        where = f" (first: {bad[0]})" if bad else " on another rank"
+        raise Diverged(f"after epoch {epoch + 1} the weights are not finite or beyond "
+                       f"{WEIGHT_LIMIT:g} in magnitude{where}, so they were not saved; "
+                       f"{AFTER_DIVERGING}")
 
     def restore(self) -> None:
         path = self.checkpoint_path
@@ -351,11 +377,19 @@ class Trainer:
         loss_total, correct_total, n = all_reduce_sum(self.ctx, loss_sum.item(),
                                                       correct.item(), seen)
         if not math.isfinite(loss_total):  # the same sum on every rank: all of them stop
-            raise Diverged(f"the loss was not finite from step {first_bad.item() + 1} on "
-                           f"(epoch {epoch + 1}), and nothing of this epoch was saved; lower "
-                           "--lr, then resume from the last checkpoint or start afresh")
+            raise Diverged(f"the loss was not finite from step {self._first(first_bad) + 1} "
+                           f"on (epoch {epoch + 1}), and nothing of this epoch was saved; "
+                           f"{AFTER_DIVERGING}")
         return {"epoch_time_s": seconds, "images_per_s": n / seconds,
                 "train_loss": loss_total / n, "train_acc": correct_total / n}
+
+    def _first(self, first_bad: torch.Tensor) -> int:
+        """The earliest of every rank's first bad step: one rank's NaN reaches the others'
+        weights through the all-reduce, and their losses only at the next step."""
+        step = torch.where(first_bad < 0, torch.iinfo(torch.int64).max, first_bad).long()
+        if self.ctx.is_distributed:
+            dist.all_reduce(step, op=dist.ReduceOp.MIN)
+        return int(step.item())
 
     def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dtype == torch.uint8:  # DataLoader batches arrive as bytes on the host
