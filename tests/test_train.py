@@ -648,3 +648,33 @@ def test_a_divergence_names_the_first_bad_step_of_any_rank(tmp_path):
     assert len(said) == 2, err.value.output  # each rank says it
     # rank 1's loss was NaN from its third step, rank 0's from the fourth
     assert all("the loss was not finite from step 3 on (epoch 1)" in line for line in said)
+
+
+def test_data_identity_is_its_content_not_the_name_it_was_typed_by(tmp_path):
+    cfg = tiny(tmp_path)
+    data = synthetic_cifar10(128, 32)
+    as_typed = dataclasses.replace(data, name="CIFAR-10 (data)")
+    Trainer(cfg, CPU, as_typed).save(0)
+    resumed = dataclasses.replace(cfg, resume=True)
+    # the same folder, typed as an absolute path: the same images
+    absolute = dataclasses.replace(data, name=f"CIFAR-10 ({tmp_path / 'data'})")
+    Trainer(resumed, CPU, absolute).restore()
+    # another folder of the same name and size, other images
+    other = dataclasses.replace(synthetic_cifar10(128, 32, seed=1), name="CIFAR-10 (data)")
+    with pytest.raises(CheckpointError, match=r"trained on CIFAR-10 \(data\) \(128 images\), "
+                       r"this run has CIFAR-10 \(data\) \(128\), other images or labels"):
+        Trainer(resumed, CPU, other).restore()
+
+
+def test_a_checkpoint_without_a_data_fingerprint_resumes_on_the_same_name_and_size(tmp_path):
+    cfg = tiny(tmp_path)
+    data = synthetic_cifar10(128, 32)
+    Trainer(cfg, CPU, data).save(0)
+    path = cfg.out / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    save_checkpoint(path, state | {"dataset": {"name": data.name, "train_images": 128}})
+    resumed = dataclasses.replace(cfg, resume=True)
+    Trainer(resumed, CPU, data).restore()  # as before fingerprints: name and size
+    renamed = dataclasses.replace(data, name="synthetic, elsewhere")
+    with pytest.raises(CheckpointError, match="use the same data and --limit-per-class"):
+        Trainer(resumed, CPU, renamed).restore()

@@ -11,6 +11,8 @@ epoch loop, checkpoint save and restore, and evaluation. The step they run is
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 import os
 import signal
@@ -107,7 +109,7 @@ class TrainConfig(Config):
                                   "or none")
     loader: Literal["device", "dataloader"] = must_match(
         "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
-    # A resume may find its data elsewhere; Trainer.restore checks the name and size of the set.
+    # A resume may find its data elsewhere; Trainer.restore checks a fingerprint of the set.
     data: str = may_change("auto", "auto (./data, downloaded when online), synthetic, a "
                            "torchvision-layout folder, or an image-folder tree / tarball")
     limit_per_class: int | None = may_change(None, "use only N training images per class")
@@ -212,6 +214,16 @@ AFTER_DIVERGING = ("start afresh in another --out with a lower --lr (a resume ke
 WEIGHT_LIMIT = 1e30
 
 
+def fingerprint(data: Cifar10, images: int = 1024) -> str:
+    """A short SHA-256 of the training labels and of ``images`` training images spread over
+    the set: two copies of a set match wherever they lie, two different sets do not."""
+    x, y = data.train_x, data.train_y
+    h = hashlib.sha256(f"{tuple(x.shape)} {x.dtype}".encode())
+    h.update(y.cpu().contiguous().numpy().tobytes())
+    h.update(x[:: max(1, len(x) // images)].cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
     """Multiplier of the peak learning rate at optimizer step ``step``."""
     epoch = step / steps_per_epoch
@@ -293,10 +305,12 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.cfg.out / "checkpoint.pt"
 
-    @property
+    @functools.cached_property
     def dataset(self) -> dict[str, object]:
-        """What a resume checks it trains on: the data set's name and size, not its path."""
-        return {"name": self.data.name, "train_images": len(self.data.train_x)}
+        """What a resume checks it trains on: a fingerprint of the training set, whatever path
+        it was read from (the name and size say what it was)."""
+        return {"name": self.data.name, "train_images": len(self.data.train_x),
+                "fingerprint": fingerprint(self.data)}
 
     def save(self, epoch: int) -> None:
         """Every rank checks the weights and sends its random state; rank 0 writes the
@@ -332,12 +346,15 @@ class Trainer:
             required=("model", "optimizer", "scheduler", "rng", "epoch", "world_size", "dataset"),
             upgrade=saved_train_config)
         ckpt.check_world_size(state, self.ctx.world_size, path)
-        if state["dataset"] != self.dataset:
-            saved, now = state["dataset"], self.dataset
+        saved, now = state["dataset"], self.dataset
+        # older checkpoints hold no fingerprint: their name and size must match, as then
+        same = (saved["fingerprint"] == now["fingerprint"] if "fingerprint" in saved else
+                (saved["name"], saved["train_images"]) == (now["name"], now["train_images"]))
+        if not same:
             raise ckpt.CheckpointError(
                 f"{path} was trained on {saved['name']} ({saved['train_images']} images), this "
-                f"run has {now['name']} ({now['train_images']}); use the same --data and "
-                "--limit-per-class, or another --out")
+                f"run has {now['name']} ({now['train_images']}), other images or labels; use "
+                "the same data and --limit-per-class, or another --out")
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
