@@ -377,10 +377,16 @@ def saved_untrained(tmp_path_factory):
     return cfg, data
 
 
-@pytest.mark.parametrize("name", MUST_MATCH_ON_RESUME)
+def test_every_setting_a_resume_must_match_is_tested():
+    missing = set(MUST_MATCH_ON_RESUME) - set(OTHER_VALUE)
+    assert not missing, f"add another valid value of each to OTHER_VALUE: {sorted(missing)}"
+
+
+# Over this file's own list, not the trainer's: a setting taken out of the resume rules (as
+# grad_accum, clip_norm, sync_bn, ghost_bn, loader or dropout could be) then fails here.
+@pytest.mark.parametrize("name", sorted(OTHER_VALUE))
 def test_a_resume_is_refused_when_a_setting_it_must_match_differs(saved_untrained, name):
     cfg, data = saved_untrained
-    assert name in OTHER_VALUE, f"add another valid value of {name} to OTHER_VALUE"
     changed = dataclasses.replace(cfg, resume=True, **{name: OTHER_VALUE[name]})
     trainer = Trainer(changed, CPU, data)
     named = f"{name}={getattr(cfg, name)} (this run: {OTHER_VALUE[name]})"
@@ -678,3 +684,42 @@ def test_a_checkpoint_without_a_data_fingerprint_resumes_on_the_same_name_and_si
     renamed = dataclasses.replace(data, name="synthetic, elsewhere")
     with pytest.raises(CheckpointError, match="use the same data and --limit-per-class"):
         Trainer(resumed, CPU, renamed).restore()
+
+
+def one_step_update(cfg, data):
+    """The change of every weight after one training step of ``cfg`` on ``data``."""
+    trainer = Trainer(cfg, CPU, data)
+    before = torch.cat([p.detach().flatten().clone() for p in trainer.net.parameters()])
+    trainer.train_one_epoch(0)  # one step: as many images as one batch
+    return torch.cat([p.detach().flatten() for p in trainer.net.parameters()]) - before
+
+
+def test_fp16_clips_the_true_gradients_not_the_scaled_ones(tmp_path):
+    # fp16 scales the loss by 65536 before backward. Clipping those scaled gradients to the
+    # norm, then unscaling them, would make the update 65536 times too small.
+    data = synthetic_cifar10(64, 16)
+    step = dict(epochs=1, batch=64, weight_decay=0.0, clip_norm=0.05)
+    fp32 = one_step_update(tiny(tmp_path / "a", precision="fp32", **step), data)
+    fp16 = one_step_update(tiny(tmp_path / "b", precision="fp16", **step), data)
+    unclipped = one_step_update(tiny(tmp_path / "c", precision="fp32",
+                                     **{**step, "clip_norm": None}), data)
+    assert fp32.norm() < 0.5 * unclipped.norm()  # the clip binds
+    assert (fp16 - fp32).norm() < 0.05 * fp32.norm()  # fp16 rounding, not a factor of 65536
+
+
+def test_warm_up_puts_back_every_state_on_a_cpu_too(few_images, tmp_path):
+    import random
+
+    cfg = tiny(tmp_path, dropout=0.3, precision="fp32")
+    trainer = Trainer(cfg, CPU, synthetic_cifar10(128, 32))
+    before = {k: v.clone() for k, v in trainer.net.state_dict().items()}
+    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
+    trainer.warm_up(steps=2)  # forward and backward twice: BatchNorm and dropout at work
+    after = trainer.net.state_dict()
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert not changed, changed  # weights, running statistics, num_batches_tracked
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == python_rng
+    assert all(p.grad is None for p in trainer.net.parameters())
+    assert not trainer.optimizer.state  # no step taken: no momentum
+    assert trainer.scheduler.last_epoch == 0 and trainer.scaler.state_dict() == \
+        Trainer(cfg, CPU, synthetic_cifar10(128, 32)).scaler.state_dict()
