@@ -282,3 +282,26 @@ def test_a_writer_killed_mid_write_leaves_a_file_the_next_save_removes(saved, tm
     assert load_checkpoint(saved, {})["epoch"] == 3
     save_checkpoint(saved, a_state(epoch=4))
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.pt"]
+
+
+def test_a_stale_temporary_that_cannot_be_removed_does_not_stop_the_save(saved, tmp_path,
+                                                                          monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    stale = tmp_path / f".checkpoint.pt.{gone.stdout.strip()}.{socket.gethostname()}.x.tmp"
+    stale.write_bytes(b"left by a writer that was killed")
+    real_unlink = Path.unlink
+
+    def unlink(self, missing_ok=False):  # e.g. owned by another user in a sticky folder
+        if self == stale:
+            raise PermissionError(13, "Permission denied", str(self))
+        real_unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    save_checkpoint(saved, a_state(epoch=4))
+    assert load_checkpoint(saved, {})["epoch"] == 4
+    assert stale.exists()  # left where it was: not this writer's to remove

@@ -86,6 +86,18 @@ def test_limit_per_class_keeps_the_first_images(image_tree, tmp_path):
     assert d.train_y.tolist() == list(range(10)) and d.train_x[:, 0, 0, 0].tolist()[:2] == [0, 20]
 
 
+def test_limit_per_class_cuts_the_training_images_only_from_every_source(image_tree, tmp_path):
+    for split in ("train", "test"):  # two images per class in each split
+        for name in CLASSES:
+            Image.fromarray(np.full((32, 32, 3), 7, np.uint8)).save(
+                image_tree / split / name / "0009.png")
+    folder = load_cifar10(image_tree, 1, tmp_path)
+    synthetic = load_cifar10("synthetic", limit_per_class=1)
+    assert len(folder.train_y) == len(synthetic.train_y) == 10
+    assert len(folder.test_y) == 20  # every test image, as from torchvision's copy
+    assert len(synthetic.test_y) == len(load_cifar10("synthetic").test_y)
+
+
 def test_a_second_load_of_a_folder_decodes_nothing(image_tree, monkeypatch):
     first = load_cifar10(str(image_tree))  # the cache goes into the folder itself
     no_decoding(monkeypatch)
@@ -126,7 +138,7 @@ def test_an_unwritable_cache_folder_only_costs_the_cache(image_tree, tmp_path):
 @pytest.mark.skipif(not SHARED_TARBALL.exists(), reason="no shared JPEG copy")
 def test_slice_of_the_jpeg_copy(tmp_path):
     d = load_cifar10(str(SHARED_TARBALL), cache_dir=tmp_path, limit_per_class=5)
-    assert d.train_x.shape == (50, 3, 32, 32) and d.test_x.shape == (50, 3, 32, 32)
+    assert d.train_x.shape == (50, 3, 32, 32) and d.test_x.shape == (10000, 3, 32, 32)
     assert d.train_y.bincount().tolist() == [5] * 10
     assert 0.3 < d.train_x.float().mean().item() / 255 < 0.6
 

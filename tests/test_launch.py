@@ -107,3 +107,24 @@ def test_metrics_are_returned(tmp_path):
     out.write_text(json.dumps({"stale": True}) + "\n")
     result = torchrun(str(script), nproc=2, timeout_s=60, metrics_file=out, echo=False)
     assert result.metrics == [{"world": "2"}]
+
+
+def test_kill_tree_spares_a_process_that_was_given_a_dead_childs_pid(monkeypatch):
+    import subprocess
+
+    from tutorial_utils import launch
+
+    stranger = subprocess.Popen(["sleep", "60"])  # not the job's: it must survive
+    job = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        # As if a child of the job had exited and the kernel had given its pid to the
+        # stranger: the pid the job's listing holds, with the start time of the dead child.
+        dead_child = {stranger.pid: launch._start_time(stranger.pid) - 1}
+        monkeypatch.setattr(launch, "descendants", lambda pid: dict(dead_child))
+        launch.kill_tree(job, grace_s=0.5)
+        assert job.returncode is not None
+        time.sleep(0.5)  # a SIGKILL, had one been sent, has arrived
+        assert stranger.poll() is None, "kill_tree killed a process that was not the job's"
+    finally:
+        stranger.kill()
+        stranger.wait()

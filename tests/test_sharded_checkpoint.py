@@ -118,3 +118,124 @@ def test_the_worker_reports_a_damaged_checkpoint_in_one_line(saved, tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.startswith("python -m tutorial_utils.workers.dcp_resume: error: ")
     assert "does not match its digest" in err and "\n" not in err
+
+
+# --- step folders without digests: written before digests existed, or copied in part ---
+
+def undigested_copy(saved, folder):
+    """A complete DCP checkpoint, as a version of the program before digests wrote it."""
+    shutil.copytree(saved[0], folder)
+    (folder / "digests.json").unlink()
+    return folder
+
+
+def test_a_folder_without_digests_is_passed_over_with_a_line_saying_why(saved, tmp_path,
+                                                                         capsys):
+    shutil.copytree(saved[0], tmp_path / "step-000003")
+    old = undigested_copy(saved, tmp_path / "step-000005")
+    assert latest_checkpoint(tmp_path).name == "step-000003"
+    said = capsys.readouterr().err.strip()
+    assert said.startswith(f"{old} passed over: no digests.json (written before digests "
+                           "existed, or copied in part)")
+    assert "--accept-undigested" in said and "\n" not in said
+    assert latest_checkpoint(tmp_path, quiet=True).name == "step-000003"  # other ranks
+    assert capsys.readouterr().err == ""
+
+
+def test_a_folder_without_digests_is_loaded_only_when_accepted(saved, tmp_path):
+    old = undigested_copy(saved, tmp_path / "step-000003")
+    assert latest_checkpoint(tmp_path) is None
+    assert latest_checkpoint(tmp_path, accept_undigested=True) == old
+    model, opt = model_and_optimizer(seed=1)
+    with pytest.raises(CheckpointError, match="has no readable digests.json"):
+        load_sharded(old, model, opt)
+    assert load_sharded(old, model, opt, require_digests=False) == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 saved[1].state_dict().values(), strict=True))
+
+
+def test_pruning_deletes_only_what_a_save_wrote(saved, tmp_path, capsys):
+    old = undigested_copy(saved, tmp_path / "step-000001")
+    clash = undigested_copy(saved, tmp_path / "step-000004")  # the step a save will write
+    model, opt = model_and_optimizer()
+    for step in (2, 4, 6, 8):
+        save_sharded(tmp_path, step, model, opt, CPU)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # the last two saves kept; the folders no save wrote kept too, the clashing one renamed
+    assert names == ["step-000001", "step-000004.undigested", "step-000006", "step-000008"]
+    assert sorted(p.name for p in old.iterdir()) == sorted(
+        p.name for p in (tmp_path / "step-000004.undigested").iterdir())
+    assert f"{clash} has no digests.json" in capsys.readouterr().err
+
+
+def test_the_worker_resumes_a_folder_without_digests_when_told_to(saved, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    undigested_copy(saved, ckpt / "step-000003")
+    args = ["--ckpt", str(ckpt), "--out", str(tmp_path / "out.pt"), "--resume", "--steps", "4",
+            "--save-every", "0"]
+    dcp_resume.main(args)
+    assert '"start_step": 0' in capsys.readouterr().out  # passed over, and said so
+    dcp_resume.main([*args, "--accept-undigested"])
+    assert '"start_step": 3' in capsys.readouterr().out
+
+
+# --- loading runs the pickle in .metadata: only folders nobody else can change ---
+
+@pytest.mark.parametrize("where", ["folder", ".metadata", "shard"])
+def test_a_checkpoint_others_can_write_to_is_refused(saved, tmp_path, where):
+    path = fresh_copy(saved, tmp_path)
+    target = {"folder": path, ".metadata": path / ".metadata",
+              "shard": next(path.glob("*.distcp"))}[where]
+    target.chmod(target.stat().st_mode | 0o020)  # group-writable
+    model, opt = model_and_optimizer(seed=1)
+    with pytest.raises(CheckpointError) as err:
+        load_sharded(path, model, opt)
+    said = str(err.value)
+    assert said.startswith(f"{target} can be written by other users") and "\n" not in said
+    assert "pickle" in said and f"chmod -R go-w {path}" in said
+
+
+def test_a_save_under_a_permissive_umask_can_be_loaded(tmp_path):
+    import os
+
+    model, opt = model_and_optimizer()
+    old = os.umask(0o002)  # common for users with a group of their own
+    try:
+        path = save_sharded(tmp_path, 2, model, opt, CPU)
+    finally:
+        os.umask(old)
+    assert load_sharded(path, *model_and_optimizer(seed=1)) == 2
+
+
+# --- the worker's command line: one line, or what was asked ---
+
+def test_the_worker_refuses_a_ckpt_that_names_a_file(tmp_path, capsys):
+    file = tmp_path / "ckpt.pt"
+    file.write_bytes(b"")
+    with pytest.raises(SystemExit) as exit_:
+        dcp_resume.main(["--ckpt", str(file), "--out", str(tmp_path / "out.pt"), "--resume"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"python -m tutorial_utils.workers.dcp_resume: error: --ckpt {file} is a file; name "
+        "the folder of the step-N checkpoints")
+
+
+def test_the_worker_creates_the_folder_of_its_out_and_says_when_nothing_resumes(tmp_path,
+                                                                                capsys):
+    out = tmp_path / "not" / "yet" / "out.pt"
+    dcp_resume.main(["--ckpt", str(tmp_path / "ckpt"), "--out", str(out), "--resume",
+                     "--steps", "1", "--save-every", "0"])
+    assert out.is_file()
+    assert f"--resume: no complete checkpoint in {tmp_path / 'ckpt'} yet; training from " \
+           "step 1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_the_worker_asked_for_a_gpu_on_a_cpu_is_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        dcp_resume.main(["--ckpt", str(tmp_path), "--out", str(tmp_path / "o.pt"),
+                         "--device", "cuda"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m tutorial_utils.workers.dcp_resume: error: --device cuda")
+    assert "\n" not in err

@@ -98,11 +98,13 @@ def slurm_env(*, cpus: int = 32, **gpu_vars: str) -> dict[str, str]:
     }
 
 
-def run_job(tmp_path: Path, env: dict[str, str], *, visible_gpus: int | None = None) -> Job:
+def job_env(tmp_path: Path, env: dict[str, str], bodies: dict[str, str],
+            visible_gpus: int | None = None) -> dict[str, str]:
+    """The stubs written to ``tmp_path/bin``, and the environment a job runs them in."""
     stubs, log = tmp_path / "bin", tmp_path / "log"
-    stubs.mkdir()
+    stubs.mkdir(parents=True)
     log.mkdir()
-    for name, body in STUB_BODIES.items():
+    for name, body in bodies.items():
         stub = stubs / name
         stub.write_text(STUB.format(bash=BASH, name=name, body=body))
         stub.chmod(0o755)
@@ -111,16 +113,27 @@ def run_job(tmp_path: Path, env: dict[str, str], *, visible_gpus: int | None = N
                 "STUB_HOSTS": " ".join(HOSTS), **env}
     if visible_gpus is not None:
         full_env["STUB_GPUS"] = str(visible_gpus)
-    proc = subprocess.run([BASH, str(SCRIPT)], cwd=ROOT, env=full_env, capture_output=True,
-                          text=True, timeout=60)
-    calls: dict[str, list[Call]] = {name: [] for name in STUB_BODIES}
-    for name in STUB_BODIES:
-        for args_file in sorted(log.glob(f"{name}.*.args")):
+    return full_env
+
+
+def stub_calls(tmp_path: Path, names) -> dict[str, list[Call]]:
+    calls: dict[str, list[Call]] = {name: [] for name in names}
+    for name in names:
+        for args_file in sorted((tmp_path / "log").glob(f"{name}.*.args")):
             args = args_file.read_text().split("\0")[:-1]
             env_text = args_file.with_suffix(".env").read_text()
             variables = dict(v.split("=", 1) for v in env_text.split("\0") if "=" in v)
             calls[name].append(Call(args, variables))
-    return Job(proc.returncode, proc.stderr, calls)
+    return calls
+
+
+def run_job(tmp_path: Path, env: dict[str, str], *, visible_gpus: int | None = None,
+            bodies: dict[str, str] = STUB_BODIES, args: tuple[str, ...] = (),
+            cwd: Path = ROOT, timeout: float = 60) -> Job:
+    full_env = job_env(tmp_path, env, bodies, visible_gpus)
+    proc = subprocess.run([BASH, str(SCRIPT), *args], cwd=cwd, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+    return Job(proc.returncode, proc.stderr, stub_calls(tmp_path, bodies))
 
 
 def sbatch_directives() -> dict[str, str]:
@@ -189,19 +202,32 @@ def test_omp_threads_share_the_cpus_among_the_workers(tmp_path, cpus, gpus, thre
     assert srun.env.get("OMP_NUM_THREADS") == threads
 
 
-# 3. The large batch warms up (Goyal et al. 2017), with the entry point's options only.
+# 3. The recipe chapter 5 measured (record 05-wrn-runs), with the entry point's options only.
 
-def test_train_options_warm_up_the_large_batch(tmp_path):
+def test_train_options_are_the_recipe_chapter_5_measured(tmp_path):
+    import json
+
+    from tutorial_utils.config import parse
+    from tutorial_utils.trainer import MUST_MATCH_ON_RESUME, TrainConfig, saved_train_config
+
     _, train = run_job(tmp_path, slurm_env(SLURM_GPUS_PER_NODE="8")).torchrun()
     options = [a for a in train if a.startswith("--")]
     assert set(options) <= TRAIN_OPTIONS, f"unknown options: {set(options) - TRAIN_OPTIONS}"
     values = {a: train[i + 1] for i, a in enumerate(train[:-1]) if a in TRAIN_CHOICES}
     for option, value in values.items():
         assert value in TRAIN_CHOICES[option], f"{option} {value}"
-    assert values.get("--schedule") == "step"
-    assert "--warmup-epochs" in train
-    assert float(train[train.index("--warmup-epochs") + 1]) == 5
-    assert values.get("--scaling") == "weak" and "--resume" in train
+    assert "--resume" in train
+    cfg = parse(TrainConfig, [a for a in train if a != "--resume"], "train")
+    record = ROOT / "book" / "data" / "05-wrn-runs.jsonl"
+    assert "05-wrn-runs" in SCRIPT.read_text(), "the template cites the record of its recipe"
+    starts = [json.loads(line) for line in record.read_text().splitlines()]
+    (measured,) = [r for r in starts if r.get("run") == "2 GPUs, 64 images each"
+                   and r["event"] == "start"]
+    saved = saved_train_config(measured["config"])
+    differ = {k: (getattr(cfg, k), saved[k]) for k in MUST_MATCH_ON_RESUME
+              if getattr(cfg, k) != saved[k]}
+    assert not differ, f"the template trains another recipe than the record's: {differ}"
+    assert cfg.scaling == "strong" and cfg.batch == 128 and cfg.lr == 0.1
 
 
 # 4. Its assumptions, in comments above the directives; and one launcher per node.
@@ -237,3 +263,85 @@ def test_head_node_of_a_long_node_list(tmp_path):
     env = {**slurm_env(SLURM_GPUS_PER_NODE="8"), "STUB_HOST_COUNT": "10000"}
     job = run_job(tmp_path, env)
     assert job.torchrun_option("--rdzv-endpoint") == f"node-00000:{20000 + JOB_ID % 20000}"
+
+
+# 6. A chain of jobs: a resubmission resumes where the last job stopped; the time limit
+#    requeues the job.
+
+# srun and torchrun that run the training, on this machine: one process per job, on the CPU.
+RUNNING_BODIES = {
+    **STUB_BODIES,
+    "srun": 'while [[ ${1:-} == -* ]]; do shift; done\nexec "$@"',
+    "torchrun": 'while [[ $# -gt 0 && $1 != -m ]]; do shift; done\nshift\n'
+                'exec "$STUB_PYTHON" -m "$@"',
+}
+# Options after the script's name: a tiny network on 200 synthetic images, 3 steps an epoch.
+TINY = ("--depth", "10", "--width", "1", "--epochs", "3", "--batch", "64", "--data",
+        "synthetic", "--limit-per-class", "20", "--device", "cpu", "--precision", "fp32")
+
+
+def chained_job(tmp_path: Path, job_id: int, **env: str) -> Job:
+    import sys
+
+    import tutorial_utils
+
+    submit = tmp_path / "submit"  # where sbatch ran: runs/ goes there
+    submit.mkdir(exist_ok=True)
+    variables = {**slurm_env(SLURM_GPUS_PER_NODE="1"), "SLURM_JOB_ID": str(job_id),
+                 "SLURM_JOB_NAME": "wrn-chain", "STUB_PYTHON": sys.executable,
+                 "PYTHONPATH": str(Path(tutorial_utils.__file__).parents[1]), **env}
+    return run_job(tmp_path / str(job_id), variables, bodies=RUNNING_BODIES, args=TINY,
+                   cwd=submit, timeout=300)
+
+
+def test_a_resubmitted_job_resumes_where_the_last_one_stopped(tmp_path):
+    from tutorial_utils.jsonl import read_jsonl
+    from tutorial_utils.trainer import CRASH_ENV
+
+    run = tmp_path / "submit" / "runs" / "slurm" / "wrn-chain"  # named by the job's name
+    # The first job dies in epoch 2, after the checkpoint of epoch 1: its time limit, a node
+    # lost. The second, submitted again under the same name, gets another job id.
+    first = chained_job(tmp_path, 1001, **{CRASH_ENV: "4"})
+    assert first.returncode != 0, first.stderr
+    assert torch_load(run / "checkpoint.pt")["epoch"] == 0
+    second = chained_job(tmp_path, 1002)
+    assert second.returncode == 0, second.stderr
+    assert "training from epoch 1" not in second.stderr
+    records = read_jsonl(run / "metrics.jsonl")
+    assert [r["start_epoch"] for r in records if r["event"] == "start"] == [0, 1]
+    assert [r["epoch"] for r in records if r["event"] == "epoch"] == [1, 2, 3]
+    assert torch_load(run / "checkpoint.pt")["epoch"] == 2
+
+
+def torch_load(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def test_the_time_limit_signal_requeues_the_job(tmp_path):
+    import signal
+    import time
+
+    directives = sbatch_directives()
+    assert "--requeue" in directives and directives.get("--open-mode") == "append"
+    when = directives.get("--signal", "")
+    assert when.startswith("B:USR1@") and int(when.split("@")[1]) >= 60  # to the script
+    bodies = {**STUB_BODIES,
+              # srun runs until killed; `scontrol requeue` kills it, as Slurm ends the job
+              "srun": 'echo $$ > "$STUB_LOG/srun.pid"\nexec sleep 60',
+              "scontrol": 'if [ "$1" = requeue ]; then kill "$(cat "$STUB_LOG/srun.pid")"; '
+                          'exit 0; fi\n' + STUB_BODIES["scontrol"]}
+    env = job_env(tmp_path, slurm_env(SLURM_GPUS_PER_NODE="8"), bodies)
+    job = subprocess.Popen([BASH, str(SCRIPT)], cwd=ROOT, env=env, stderr=subprocess.PIPE,
+                           text=True)
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "log" / "srun.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGUSR1)  # what Slurm sends 120 s before the time limit
+    _, stderr = job.communicate(timeout=30)
+    requeues = [c.args for c in stub_calls(tmp_path, bodies)["scontrol"]
+                if c.args[:1] == ["requeue"]]
+    assert requeues == [["requeue", str(JOB_ID)]], stderr
+    assert "time limit near: requeueing job" in stderr
+    assert job.returncode != 0  # ended by Slurm, to run again

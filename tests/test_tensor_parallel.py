@@ -1,5 +1,6 @@
 """Chapter 7: the GPT, its text, and tensor parallelism equal to one process (gloo)."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -126,6 +127,15 @@ def test_a_dropped_collective_is_caught(tmp_path):
 def test_the_check_outside_torchrun_is_one_line():
     done = subprocess.run([sys.executable, "-m", "tutorial_utils.workers.tp_check"],
                           capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("python -m tutorial_utils.workers.tp_check: error: run it "
+                                   "under torchrun with 2 or more processes")
+
+
+def test_the_2d_check_on_a_process_count_it_cannot_split_is_one_line():
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")}
+    done = subprocess.run([sys.executable, "-m", "tutorial_utils.workers.tp_check", "--modes",
+                           "2-D"], capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 2
     assert done.stderr.strip() == ("python -m tutorial_utils.workers.tp_check: error: run it "
                                    "under torchrun with 2 or more processes")

@@ -260,6 +260,7 @@ def error_of(capsys, *argv):
         (["--weight-decay=-1e-4"], "--weight-decay must be a number >= 0"),
         (["--label-smoothing", "1.5"], "--label-smoothing must be in [0, 1)"),
         (["--limit-per-class", "0"], "--limit-per-class must be >= 1"),
+        (["--seed", str(2**70)], f"--seed must be between -2**40 and 2**40, got {2**70}"),
         (["--grad-accum", "0"], "--grad-accum must be >= 1, got 0"),
         (["--grad-accum", "3", "--batch", "64", "--device", "cpu"],
          "--grad-accum 3 does not divide the batch of 64 per process"),
@@ -288,6 +289,15 @@ def test_bad_options(capsys, argv, message):
 @pytest.mark.skipif(gpu_count() > 0, reason="needs a machine without GPUs")
 def test_gpu_requested_without_gpu(capsys):
     assert "no GPU; use --device cpu" in error_of(capsys, "--device", "cuda")
+
+
+def test_an_out_that_names_a_file_is_one_line(capsys, tmp_path):
+    taken = tmp_path / "notes.txt"
+    taken.write_text("not a run folder")
+    err = error_of(capsys, "--device", "cpu", "--data", "synthetic", "--out", str(taken))
+    assert err.endswith(f"--out {taken} is a file; name a folder for metrics.jsonl and "
+                        "checkpoint.pt")
+    assert taken.read_text() == "not a run folder"
 
 
 def test_missing_dataset_is_one_line_naming_it(capsys, tmp_path, monkeypatch):
@@ -367,10 +377,16 @@ def saved_untrained(tmp_path_factory):
     return cfg, data
 
 
-@pytest.mark.parametrize("name", MUST_MATCH_ON_RESUME)
+def test_every_setting_a_resume_must_match_is_tested():
+    missing = set(MUST_MATCH_ON_RESUME) - set(OTHER_VALUE)
+    assert not missing, f"add another valid value of each to OTHER_VALUE: {sorted(missing)}"
+
+
+# Over this file's own list, not the trainer's: a setting taken out of the resume rules (as
+# grad_accum, clip_norm, sync_bn, ghost_bn, loader or dropout could be) then fails here.
+@pytest.mark.parametrize("name", sorted(OTHER_VALUE))
 def test_a_resume_is_refused_when_a_setting_it_must_match_differs(saved_untrained, name):
     cfg, data = saved_untrained
-    assert name in OTHER_VALUE, f"add another valid value of {name} to OTHER_VALUE"
     changed = dataclasses.replace(cfg, resume=True, **{name: OTHER_VALUE[name]})
     trainer = Trainer(changed, CPU, data)
     named = f"{name}={getattr(cfg, name)} (this run: {OTHER_VALUE[name]})"
@@ -469,8 +485,13 @@ def test_a_diverging_run_ends_in_one_line(capsys, tmp_path):
                  str(tmp_path / "run")]) == 2
     *_, err = capsys.readouterr().err.strip().splitlines()  # after the synthetic-data warning
     assert err.startswith("python -m tutorial_utils.train: error: the loss was not finite")
-    assert err.endswith("resume from the last checkpoint or start afresh")
+    # advice the program accepts: not a resume, which must keep --lr (and would diverge again)
+    assert err.endswith("start afresh in another --out with a lower --lr (a resume keeps the "
+                        "checkpoint's --lr and would repeat the same steps)")
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert main(["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--lr",
+                 "0.1", "--data", "synthetic", "--device", "cpu", "--precision", "fp32",
+                 "--out", str(tmp_path / "afresh")]) == 0
 
 
 def test_gradient_accumulation_gives_the_gradients_of_the_whole_batch():
@@ -577,3 +598,128 @@ def test_bf16_on_a_cpu_without_bf16_instructions_trains_in_fp32(tmp_path, monkey
     assert start["config"]["precision"] == "fp32"  # the stamp says what ran
     monkeypatch.setattr(train_mod, "cpu_runs_bf16", lambda: True)
     assert train_mod.precision_here(bf16, cpu).precision == "bf16"
+
+
+def test_weights_that_diverged_while_the_loss_stayed_finite_are_not_saved(tmp_path, monkeypatch):
+    real = train_mod.Trainer.train_one_epoch
+
+    def blows_up_in_epoch_2(self, epoch):
+        record = real(self, epoch)
+        if epoch == 1:  # BatchNorm after it: the loss does not see the scale of this weight
+            with torch.no_grad():
+                dict(self.net.named_parameters())["1.conv1.weight"].mul_(1e37)
+        return record
+
+    monkeypatch.setattr(train_mod.Trainer, "train_one_epoch", blows_up_in_epoch_2)
+    cfg = tiny(tmp_path, epochs=3)
+    with pytest.raises(train_mod.Diverged, match=r"^after epoch 2 the weights are not finite "
+                       r"or beyond 1e\+30 in magnitude \(first: 1.conv1.weight\), so they were "
+                       "not saved; start afresh"):
+        run(cfg, CPU)
+    assert torch.load(cfg.out / "checkpoint.pt", weights_only=True)["epoch"] == 0  # epoch 1
+
+
+TWO_TINY = ["--depth", "10", "--width", "1", "--epochs", "1", "--batch", "64", "--data",
+            "synthetic", "--device", "cpu", "--precision", "fp32"]
+
+
+def test_an_error_only_rank_1_hits_reaches_the_summary(tmp_path, monkeypatch):
+    from tutorial_utils.launch import LaunchError, torchrun
+
+    monkeypatch.undo()  # the real loader: the processes below load it too
+    cfg = parse(TrainConfig, [*TWO_TINY, "--limit-per-class", "10", "--out",
+                              str(tmp_path / "run")], "train")
+    run(cfg, CPU)
+    state = torch.load(cfg.out / "checkpoint.pt", weights_only=True)
+    # as if written by two processes, with rank 0's random state alone
+    save_checkpoint(cfg.out / "checkpoint.pt", state | {"world_size": 2})
+    with pytest.raises(LaunchError) as err:
+        torchrun("tutorial_utils.train", [*cfg.to_argv(), "--resume"], nproc=2, timeout_s=300,
+                 echo=False)
+    said = str(err.value)
+    assert said.startswith("rank 1 failed: python -m tutorial_utils.train: error: rank 1: "
+                           "the checkpoint holds 1 RNG states, none for rank 1"), said
+
+
+def test_a_divergence_names_the_first_bad_step_of_any_rank(tmp_path):
+    from pathlib import Path
+
+    from tutorial_utils.launch import LaunchError, torchrun
+
+    worker = Path(__file__).parent / "workers" / "nan_on_rank1.py"
+    with pytest.raises(LaunchError) as err:
+        torchrun(str(worker), [*TWO_TINY, "--limit-per-class", "50", "--out",
+                               str(tmp_path / "run")], nproc=2, timeout_s=300, echo=False)
+    said = [line for line in err.value.output.splitlines() if "error:" in line]
+    assert len(said) == 2, err.value.output  # each rank says it
+    # rank 1's loss was NaN from its third step, rank 0's from the fourth
+    assert all("the loss was not finite from step 3 on (epoch 1)" in line for line in said)
+
+
+def test_data_identity_is_its_content_not_the_name_it_was_typed_by(tmp_path):
+    cfg = tiny(tmp_path)
+    data = synthetic_cifar10(128, 32)
+    as_typed = dataclasses.replace(data, name="CIFAR-10 (data)")
+    Trainer(cfg, CPU, as_typed).save(0)
+    resumed = dataclasses.replace(cfg, resume=True)
+    # the same folder, typed as an absolute path: the same images
+    absolute = dataclasses.replace(data, name=f"CIFAR-10 ({tmp_path / 'data'})")
+    Trainer(resumed, CPU, absolute).restore()
+    # another folder of the same name and size, other images
+    other = dataclasses.replace(synthetic_cifar10(128, 32, seed=1), name="CIFAR-10 (data)")
+    with pytest.raises(CheckpointError, match=r"trained on CIFAR-10 \(data\) \(128 images\), "
+                       r"this run has CIFAR-10 \(data\) \(128\), other images or labels"):
+        Trainer(resumed, CPU, other).restore()
+
+
+def test_a_checkpoint_without_a_data_fingerprint_resumes_on_the_same_name_and_size(tmp_path):
+    cfg = tiny(tmp_path)
+    data = synthetic_cifar10(128, 32)
+    Trainer(cfg, CPU, data).save(0)
+    path = cfg.out / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    save_checkpoint(path, state | {"dataset": {"name": data.name, "train_images": 128}})
+    resumed = dataclasses.replace(cfg, resume=True)
+    Trainer(resumed, CPU, data).restore()  # as before fingerprints: name and size
+    renamed = dataclasses.replace(data, name="synthetic, elsewhere")
+    with pytest.raises(CheckpointError, match="use the same data and --limit-per-class"):
+        Trainer(resumed, CPU, renamed).restore()
+
+
+def one_step_update(cfg, data):
+    """The change of every weight after one training step of ``cfg`` on ``data``."""
+    trainer = Trainer(cfg, CPU, data)
+    before = torch.cat([p.detach().flatten().clone() for p in trainer.net.parameters()])
+    trainer.train_one_epoch(0)  # one step: as many images as one batch
+    return torch.cat([p.detach().flatten() for p in trainer.net.parameters()]) - before
+
+
+def test_fp16_clips_the_true_gradients_not_the_scaled_ones(tmp_path):
+    # fp16 scales the loss by 65536 before backward. Clipping those scaled gradients to the
+    # norm, then unscaling them, would make the update 65536 times too small.
+    data = synthetic_cifar10(64, 16)
+    step = dict(epochs=1, batch=64, weight_decay=0.0, clip_norm=0.05)
+    fp32 = one_step_update(tiny(tmp_path / "a", precision="fp32", **step), data)
+    fp16 = one_step_update(tiny(tmp_path / "b", precision="fp16", **step), data)
+    unclipped = one_step_update(tiny(tmp_path / "c", precision="fp32",
+                                     **{**step, "clip_norm": None}), data)
+    assert fp32.norm() < 0.5 * unclipped.norm()  # the clip binds
+    assert (fp16 - fp32).norm() < 0.05 * fp32.norm()  # fp16 rounding, not a factor of 65536
+
+
+def test_warm_up_puts_back_every_state_on_a_cpu_too(few_images, tmp_path):
+    import random
+
+    cfg = tiny(tmp_path, dropout=0.3, precision="fp32")
+    trainer = Trainer(cfg, CPU, synthetic_cifar10(128, 32))
+    before = {k: v.clone() for k, v in trainer.net.state_dict().items()}
+    torch_rng, python_rng = torch.get_rng_state(), random.getstate()
+    trainer.warm_up(steps=2)  # forward and backward twice: BatchNorm and dropout at work
+    after = trainer.net.state_dict()
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert not changed, changed  # weights, running statistics, num_batches_tracked
+    assert torch.equal(torch.get_rng_state(), torch_rng) and random.getstate() == python_rng
+    assert all(p.grad is None for p in trainer.net.parameters())
+    assert not trainer.optimizer.state  # no step taken: no momentum
+    assert trainer.scheduler.last_epoch == 0 and trainer.scaler.state_dict() == \
+        Trainer(cfg, CPU, synthetic_cifar10(128, 32)).scaler.state_dict()

@@ -12,6 +12,7 @@ do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import random
@@ -122,7 +123,10 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
     at a time: a temporary file of this path is a killed writer's, and is removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in _abandoned_temporaries(path):
-        stale.unlink(missing_ok=True)
+        # tidying only: a leftover this writer may not remove (another user's, in a shared
+        # folder) must not stop the save
+        with contextlib.suppress(OSError):
+            stale.unlink(missing_ok=True)
     body = {k: v for k, v in state.items() if k != "digest"}
     # a name of its own, so a second writer never writes into or deletes this one's file; the
     # writer's process id and machine in it tell a killed writer's file from a live one's

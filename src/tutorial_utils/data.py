@@ -132,7 +132,8 @@ def _entries(source: Path) -> Iterator[tuple[str, Callable[[], bytes]]]:
 
 
 def _collect(source: Path, limit: int | None) -> dict[tuple[str, str], list[tuple[str, bytes]]]:
-    """(path or archive:member, bytes) by (split, class); beyond ``limit`` none are read."""
+    """(path or archive:member, bytes) by (split, class); beyond ``limit`` training images of a
+    class none are read (the test split is read whole, as from torchvision's copy)."""
     found: dict[tuple[str, str], list[tuple[str, bytes]]] = {}
     is_dir = source.is_dir()
     try:
@@ -140,7 +141,7 @@ def _collect(source: Path, limit: int | None) -> dict[tuple[str, str], list[tupl
             key = _split_member(name)
             if key is not None:
                 images = found.setdefault(key, [])
-                if limit is None or len(images) < limit:
+                if limit is None or key[0] == "test" or len(images) < limit:
                     where = str(source / name) if is_dir else f"{source}:{name}"
                     images.append((where, read()))
     except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
@@ -199,7 +200,9 @@ def _cache_path(source: Path, cache_dir: Path | None, limit: int | None) -> Path
                          for f, s in ((f, f.stat()) for f in images))
     else:
         stamp = f"{source.stat().st_size}:{source.stat().st_mtime_ns}"
-    key = hashlib.sha256(f"{source.resolve()}|{limit}|{stamp}".encode()).hexdigest()[:16]
+    # a limit once cut the test split too: such caches must not be read as today's
+    cut = limit if limit is None else f"{limit} training images"
+    key = hashlib.sha256(f"{source.resolve()}|{cut}|{stamp}".encode()).hexdigest()[:16]
     folder = cache_dir or (source if source.is_dir() else source.parent)
     return folder / f".{source.name}.{key}.npz"
 

@@ -17,11 +17,17 @@ from pathlib import Path
 
 
 def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
-    """Append ``records`` to ``path``, one JSON object per line (the folder is created)."""
+    """Append ``records`` to ``path``, one JSON object per line (the folder is created), and
+    make them durable: a run's records must outlive a crash as its checkpoint does."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(json.dumps(r) + "\n" for r in records)
+    new = not path.exists()
     with open(path, "a") as f:
         f.write(text)  # one write: the lines land whole, after any a reader already has
+        f.flush()
+        os.fsync(f.fileno())
+    if new:  # a new file is an entry in its folder, which a crash could lose
+        _fsync_folder(path.parent)
 
 
 def rewrite_jsonl(path: Path, records: Iterable[Mapping]) -> None:
@@ -35,8 +41,17 @@ def rewrite_jsonl(path: Path, records: Iterable[Mapping]) -> None:
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the file
         os.replace(tmp, path)
+        _fsync_folder(path.parent)  # the rename is an entry in the folder: a crash could undo it
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -96,21 +96,34 @@ def _stream(proc: subprocess.Popen, deadline: float, echo: bool) -> tuple[list[s
 KILL_GRACE_S = 10.0  # how long a timed-out job has to stop on SIGTERM before SIGKILL
 
 
-def descendants(pid: int) -> set[int]:
-    """Every process below ``pid``, read from Linux's /proc (none found elsewhere)."""
-    children: dict[int, list[int]] = {}
+def descendants(pid: int) -> dict[int, int]:
+    """Every process below ``pid``, with its start time, read from Linux's /proc (none found
+    elsewhere). A pid names one process only while it runs: once it exits, the kernel may give
+    the number to another; the start time tells the two apart."""
+    children: dict[int, list[tuple[int, int]]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:  # "pid (name) state ppid ...": the name may hold spaces and brackets
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            ppid, started = int(fields[1]), int(fields[19])  # fields 4 and 22 of stat(5)
         except (OSError, IndexError, ValueError):
             continue  # it exited while we looked
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    found, todo = set(), [pid]
+        children.setdefault(ppid, []).append((int(stat.parent.name), started))
+    found: dict[int, int] = {}
+    todo = [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
+        for child, started in children.get(todo.pop(), []):
+            found[child] = started
             todo.append(child)
     return found
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks since boot, field 22 of /proc/<pid>/stat); None if no
+    process has that pid."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def kill_tree(proc: subprocess.Popen, grace_s: float | None = None) -> None:
@@ -127,15 +140,22 @@ def kill_tree(proc: subprocess.Popen, grace_s: float | None = None) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
     deadline = time.monotonic() + (KILL_GRACE_S if grace_s is None else grace_s)
-    while time.monotonic() < deadline and (proc.poll() is None or job - _gone(job)):
+    while time.monotonic() < deadline and (proc.poll() is None or _running(job)):
         job |= descendants(proc.pid)
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    for pid in job - _gone(job):
+    for pid in _running(job):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
+
+
+def _running(job: dict[int, int]) -> set[int]:
+    """The processes of ``job`` ({pid: start time}) still running: not exited, and not
+    replaced by a later process that was given the same pid (that one is not the job's)."""
+    alive = set(job) - _gone(set(job))
+    return {pid for pid in alive if _start_time(pid) == job[pid]}
 
 
 def _gone(pids: set[int]) -> set[int]:

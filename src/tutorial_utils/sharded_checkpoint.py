@@ -13,6 +13,13 @@ usable. Every rank must see the same folder (one machine, or a shared file syste
 rename, rank 0 writes the SHA-256 of every file to ``digests.json``: DCP checks no checksum,
 and a flipped bit in a shard would load as an altered weight without a word. A load verifies
 every file first; any damage, or a checkpoint of another model, is one ``CheckpointError``.
+A step folder without ``digests.json`` (written before digests existed, or copied in part) is
+passed over with a line that says so, is never deleted by the pruning of old checkpoints, and
+is loaded, unverified, only when the caller accepts it explicitly.
+
+Loading runs code the checkpoint may hold: DCP reads ``.metadata`` with Python's ``pickle``,
+which executes whatever a crafted file asks, unlike ``torch.load(weights_only=True)``. So load
+only checkpoints you trust; :func:`load_sharded` refuses a folder that other users can write to.
 
 Buffers that FSDP leaves whole, such as BatchNorm's running statistics, are saved once. Under
 FSDP each rank updates its own copy and nothing synchronises them (DDP copies rank 0's into
@@ -24,8 +31,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
+import stat
+import sys
 from pathlib import Path
 
 import torch
@@ -72,13 +82,43 @@ def commit(root: Path, tmp: Path, ctx: DistContext) -> Path:
     if ctx.is_main:
         digests = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / DIGESTS).write_text(json.dumps(digests, indent=1))
+        _only_owner_writes(tmp)  # a load runs the pickle in .metadata: nobody else may edit it
         if final.exists():  # the same step saved again by a resumed job
-            shutil.rmtree(final)
+            _remove_or_set_aside(final)
         tmp.rename(final)  # atomic on one file system; readers see no folder or a whole one
-        for old in sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name))[:-2]:
-            shutil.rmtree(old)  # keep the last two
+        for old in _saved(root)[:-2]:  # keep the last two that a save wrote (with digests)
+            shutil.rmtree(old)
     ctx.barrier()
     return final
+
+
+def _steps(root: Path) -> list[Path]:
+    """The ``step-N`` folders under ``root``, oldest first."""
+    found = [p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def _saved(root: Path) -> list[Path]:
+    """The step folders a save wrote: those with digests, oldest first."""
+    return [p for p in _steps(root) if (p / DIGESTS).is_file()]
+
+
+def _only_owner_writes(folder: Path) -> None:
+    for p in [folder, *folder.iterdir()]:  # umask 002 would leave them group-writable
+        os.chmod(p, p.stat().st_mode & ~(stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _remove_or_set_aside(final: Path) -> None:
+    """Delete an earlier save of this step; keep, renamed, a folder that no save wrote."""
+    if (final / DIGESTS).is_file():
+        shutil.rmtree(final)
+        return
+    aside, n = final.with_name(f"{final.name}.undigested"), 1
+    while aside.exists():
+        aside, n = final.with_name(f"{final.name}.undigested-{n}"), n + 1
+    final.rename(aside)
+    print(f"{final} has no {DIGESTS} (no save of this program wrote it): kept as "
+          f"{aside.name}", file=sys.stderr, flush=True)
 
 
 def _sha256(path: Path) -> str:
@@ -89,11 +129,26 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete ``step-N`` folder under ``root``: temporary folders, and step
-    folders without their digests (emptied, or copied in part), are passed over."""
-    found = [p for p in root.glob("step-*") if _STEP_DIR.match(p.name) and (p / DIGESTS).is_file()]
-    return max(found, key=lambda p: int(p.name[5:]), default=None)
+def latest_checkpoint(root: Path, accept_undigested: bool = False,
+                      quiet: bool = False) -> Path | None:
+    """The newest complete ``step-N`` folder under ``root``; temporary folders are ignored.
+
+    A step folder without digests (written before digests existed, or copied in part) cannot
+    be verified: it is passed over, and a line on stderr (unless ``quiet``) says so, unless
+    ``accept_undigested``: then the newest folder holding DCP's ``.metadata`` is taken, digests
+    or not (and :func:`load_sharded` must be told to load it unverified).
+    """
+    steps = _steps(root)
+    usable = [p for p in steps if (p / DIGESTS).is_file()
+              or (accept_undigested and (p / ".metadata").is_file())]
+    found = usable[-1] if usable else None
+    for p in steps[steps.index(found) + 1 if found else 0:]:
+        if not quiet:
+            why = "no .metadata either" if accept_undigested else "unverified without it; " \
+                "to resume from it anyway, accept folders without digests (--accept-undigested)"
+            print(f"{p} passed over: no {DIGESTS} (written before digests existed, or copied "
+                  f"in part); {why}", file=sys.stderr, flush=True)
+    return found
 
 
 def verify(path: Path) -> None:
@@ -112,13 +167,21 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{file} does not match its digest (damaged); {advice}")
 
 
-def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 require_digests: bool = True) -> int:
     """Load a checkpoint into ``model`` and ``optimizer``, sharded or not; returns its step.
 
     DCP reads into the tensors it is given, so the state dicts of this job's model and
     optimizer say which slices each rank needs, whatever the job that wrote them.
+
+    Loading can execute code: DCP reads ``.metadata`` with ``pickle``, which runs whatever a
+    crafted file asks (``torch.load(weights_only=True)`` would refuse it; DCP has no such
+    mode). Load only checkpoints you trust: a folder that other users can write to is refused.
+    ``require_digests=False`` loads a folder without digests, unverified.
     """
-    verify(path)
+    _refuse_writable_by_others(path)
+    if require_digests or (path / DIGESTS).exists():
+        verify(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": -1}
     try:
@@ -133,3 +196,15 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer)
         raise CheckpointError(f"{path} does not fit this model and optimizer (written for "
                               f"another --model?): {why}") from None
     return state["step"]
+
+
+def _refuse_writable_by_others(path: Path) -> None:
+    if not path.exists():
+        return  # verify() says what is missing
+    for p in [path, *path.iterdir()] if path.is_dir() else [path]:
+        mode = p.stat().st_mode
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise CheckpointError(
+                f"{p} can be written by other users (mode {stat.filemode(mode)}), and loading "
+                "the checkpoint runs the pickle in its .metadata, which can execute code; if "
+                f"you trust its contents, chmod -R go-w {path}")

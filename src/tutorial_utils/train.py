@@ -138,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg.batches(ctx.world_size)  # fail before loading anything
             run(cfg, ctx)
     except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError, Diverged) as err:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank fails alike
-            print(f"{prog}: error: {err}", file=sys.stderr)
+        # Every rank says its own error: one rank alone may hit it (a checkpoint without its
+        # random state, a file only its node cannot read), and whichever rank torchrun sees
+        # fail first is the one whose message the launcher's summary shows.
+        rank, world = os.environ.get("RANK", "0"), int(os.environ.get("WORLD_SIZE", "1"))
+        who = f"rank {rank}: " if world > 1 and rank != "0" else ""
+        print(f"{prog}: error: {who}{err}", file=sys.stderr, flush=True)
         return 2
     return 0
 

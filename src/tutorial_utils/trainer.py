@@ -11,6 +11,8 @@ epoch loop, checkpoint save and restore, and evaluation. The step they run is
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import math
 import os
 import signal
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt
@@ -106,7 +109,7 @@ class TrainConfig(Config):
                                   "or none")
     loader: Literal["device", "dataloader"] = must_match(
         "device", "device: data kept on the GPU, augmented there; dataloader: CPU workers")
-    # A resume may find its data elsewhere; Trainer.restore checks the name and size of the set.
+    # A resume may find its data elsewhere; Trainer.restore checks a fingerprint of the set.
     data: str = may_change("auto", "auto (./data, downloaded when online), synthetic, a "
                            "torchvision-layout folder, or an image-folder tree / tarball")
     limit_per_class: int | None = may_change(None, "use only N training images per class")
@@ -137,6 +140,10 @@ class TrainConfig(Config):
              f"--warmup-epochs must be in [0, --epochs], got {self.warmup_epochs}"),
             (self.checkpoint_every >= 0, "--checkpoint-every must be >= 0"),
             (self.crop_pad >= 0, f"--crop-pad must be >= 0, got {self.crop_pad}"),
+            # the loaders derive their generators' seeds from it: beyond this, past 2**64
+            (abs(self.seed) < 2**40, f"--seed must be between -2**40 and 2**40, got {self.seed}"),
+            (not Path(self.out).exists() or Path(self.out).is_dir(),
+             f"--out {self.out} is a file; name a folder for metrics.jsonl and checkpoint.pt"),
             (self.grad_accum >= 1, f"--grad-accum must be >= 1, got {self.grad_accum}"),
             (self.clip_norm is None or (math.isfinite(self.clip_norm) and self.clip_norm > 0),
              f"--clip-norm must be a number > 0, got {self.clip_norm}"),
@@ -195,7 +202,26 @@ def saved_train_config(saved: dict[str, Any]) -> dict[str, Any]:
 # --- The run ------------------------------------------------------------------------------------
 
 class Diverged(RuntimeError):
-    """The loss stopped being a finite number; the message says where and what to do."""
+    """The loss or the weights stopped being sane numbers; the message says where and what to
+    do."""
+
+
+# What a resume cannot fix: it repeats the same steps, and must keep the checkpoint's --lr.
+AFTER_DIVERGING = ("start afresh in another --out with a lower --lr (a resume keeps the "
+                   "checkpoint's --lr and would repeat the same steps)")
+# No trained network comes near this; fp32 ends at 3.4e38, and a weight this large is one
+# update away from overflowing. Above it, or not finite, the weights are not saved.
+WEIGHT_LIMIT = 1e30
+
+
+def fingerprint(data: Cifar10, images: int = 1024) -> str:
+    """A short SHA-256 of the training labels and of ``images`` training images spread over
+    the set: two copies of a set match wherever they lie, two different sets do not."""
+    x, y = data.train_x, data.train_y
+    h = hashlib.sha256(f"{tuple(x.shape)} {x.dtype}".encode())
+    h.update(y.cpu().contiguous().numpy().tobytes())
+    h.update(x[:: max(1, len(x) // images)].cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def lr_factor(cfg: TrainConfig, step: int, steps_per_epoch: int) -> float:
@@ -279,13 +305,17 @@ class Trainer:
     def checkpoint_path(self) -> Path:
         return self.cfg.out / "checkpoint.pt"
 
-    @property
+    @functools.cached_property
     def dataset(self) -> dict[str, object]:
-        """What a resume checks it trains on: the data set's name and size, not its path."""
-        return {"name": self.data.name, "train_images": len(self.data.train_x)}
+        """What a resume checks it trains on: a fingerprint of the training set, whatever path
+        it was read from (the name and size say what it was)."""
+        return {"name": self.data.name, "train_images": len(self.data.train_x),
+                "fingerprint": fingerprint(self.data)}
 
     def save(self, epoch: int) -> None:
-        """Every rank sends its random state; rank 0 writes the checkpoint."""
+        """Every rank checks the weights and sends its random state; rank 0 writes the
+        checkpoint. Weights that diverged are never saved: the last good checkpoint stays."""
+        self._check_weights(epoch)
         rngs = ckpt.gather_rng_states(self.ctx)
         if self.ctx.is_main:
             ckpt.save_checkpoint(self.checkpoint_path, {
@@ -295,6 +325,20 @@ class Trainer:
                 "config": to_dict(self.cfg), "world_size": self.ctx.world_size,
                 "dataset": self.dataset})
 
+    def _check_weights(self, epoch: int) -> None:
+        """Raise :class:`Diverged` on every rank if any rank's weights or BatchNorm statistics
+        are not finite or beyond WEIGHT_LIMIT: with BatchNorm, weights can grow without bound
+        while the loss stays finite."""
+        floats = {k: v for k, v in self.net.state_dict().items() if v.is_floating_point()}
+        sane = torch.stack([(v.abs() <= WEIGHT_LIMIT).all() for v in floats.values()])
+        if not all_reduce_sum(self.ctx, float(not sane.all()))[0]:
+            return
+        bad = [k for k, ok in zip(floats, sane.tolist(), strict=True) if not ok]
+        where = f" (first: {bad[0]})" if bad else " on another rank"
+        raise Diverged(f"after epoch {epoch + 1} the weights are not finite or beyond "
+                       f"{WEIGHT_LIMIT:g} in magnitude{where}, so they were not saved; "
+                       f"{AFTER_DIVERGING}")
+
     def restore(self) -> None:
         path = self.checkpoint_path
         state = ckpt.load_checkpoint(
@@ -302,12 +346,15 @@ class Trainer:
             required=("model", "optimizer", "scheduler", "rng", "epoch", "world_size", "dataset"),
             upgrade=saved_train_config)
         ckpt.check_world_size(state, self.ctx.world_size, path)
-        if state["dataset"] != self.dataset:
-            saved, now = state["dataset"], self.dataset
+        saved, now = state["dataset"], self.dataset
+        # older checkpoints hold no fingerprint: their name and size must match, as then
+        same = (saved["fingerprint"] == now["fingerprint"] if "fingerprint" in saved else
+                (saved["name"], saved["train_images"]) == (now["name"], now["train_images"]))
+        if not same:
             raise ckpt.CheckpointError(
                 f"{path} was trained on {saved['name']} ({saved['train_images']} images), this "
-                f"run has {now['name']} ({now['train_images']}); use the same --data and "
-                "--limit-per-class, or another --out")
+                f"run has {now['name']} ({now['train_images']}), other images or labels; use "
+                "the same data and --limit-per-class, or another --out")
         self.net.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -347,11 +394,19 @@ class Trainer:
         loss_total, correct_total, n = all_reduce_sum(self.ctx, loss_sum.item(),
                                                       correct.item(), seen)
         if not math.isfinite(loss_total):  # the same sum on every rank: all of them stop
-            raise Diverged(f"the loss was not finite from step {first_bad.item() + 1} on "
-                           f"(epoch {epoch + 1}), and nothing of this epoch was saved; lower "
-                           "--lr, then resume from the last checkpoint or start afresh")
+            raise Diverged(f"the loss was not finite from step {self._first(first_bad) + 1} "
+                           f"on (epoch {epoch + 1}), and nothing of this epoch was saved; "
+                           f"{AFTER_DIVERGING}")
         return {"epoch_time_s": seconds, "images_per_s": n / seconds,
                 "train_loss": loss_total / n, "train_acc": correct_total / n}
+
+    def _first(self, first_bad: torch.Tensor) -> int:
+        """The earliest of every rank's first bad step: one rank's NaN reaches the others'
+        weights through the all-reduce, and their losses only at the next step."""
+        step = torch.where(first_bad < 0, torch.iinfo(torch.int64).max, first_bad).long()
+        if self.ctx.is_distributed:
+            dist.all_reduce(step, op=dist.ReduceOp.MIN)
+        return int(step.item())
 
     def _on_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if x.dtype == torch.uint8:  # DataLoader batches arrive as bytes on the host

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from ..checkpoint import CheckpointError
 from ..config import Config, ConfigError, check, check_wrn, opt, parse_or_exit
+from ..devices import NotEnoughGPUsError
 from ..jsonl import write_jsonl
 from ..models.wrn import wide_resnet
 from ..parallel.distributed import DistContext, all_reduce_sum, distributed
@@ -52,6 +53,8 @@ class DcpConfig(Config):
     steps: int = opt(6, "train until this step")
     save_every: int = opt(2, "steps between checkpoints (0: never)")
     resume: bool = opt(False, "start from the newest complete checkpoint")
+    accept_undigested: bool = opt(False, "with --resume, also accept a step folder without "
+                                  "digests.json (written before digests existed), unverified")
     naive_save: Path | None = opt(None, "also torch.save(model.state_dict()) here")
     metrics: Path | None = opt(None, "rank 0 appends JSON lines here")
     device: Literal["auto", "cpu", "cuda"] = opt("cpu", "cuda needs one GPU per process")
@@ -60,7 +63,10 @@ class DcpConfig(Config):
         check_wrn(self.model)
         check((min(self.batch, self.slices, self.steps) >= 1,
                "--batch, --slices and --steps must be >= 1"),
-              (self.save_every >= 0, f"--save-every must be >= 0, got {self.save_every}"))
+              (self.save_every >= 0, f"--save-every must be >= 0, got {self.save_every}"),
+              (not self.ckpt.exists() or self.ckpt.is_dir(),
+               f"--ckpt {self.ckpt} is a file; name the folder of the step-N checkpoints"),
+              (not self.out.is_dir(), f"--out {self.out} is a folder; name the file to write"))
 
 
 def batch(step: int, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,6 +106,7 @@ def export(model, opt, ctx: DistContext, args: DcpConfig) -> None:
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
     model_sd, optim_sd = get_state_dict(model, opt, options=full)
     if ctx.is_main:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"model": model_sd, "optim": optim_sd}, args.out)
         if args.naive_save:  # the mistake: each value is a DTensor holding rank 0's shard
             torch.save(model.state_dict(), args.naive_save)
@@ -109,9 +116,22 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_or_exit(DcpConfig, argv, __spec__.name)
     try:
         run(args)
-    except (ConfigError, CheckpointError) as err:  # every rank fails alike: one line each
+    # every rank fails alike: one line each
+    except (ConfigError, CheckpointError, NotEnoughGPUsError) as err:
         print(f"python -m {__spec__.name}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def resume(model, opt, ctx: DistContext, args: DcpConfig) -> tuple[int, Path | None]:
+    """The step of the newest complete checkpoint, loaded into ``model`` and ``opt``, and its
+    folder; (0, None) if there is none yet."""
+    found = latest_checkpoint(args.ckpt, args.accept_undigested, quiet=not ctx.is_main)
+    if found is None:
+        if ctx.is_main:  # a first attempt, or a mistyped --ckpt: say which it is
+            print(f"--resume: no complete checkpoint in {args.ckpt} yet; training from step 1",
+                  file=sys.stderr, flush=True)
+        return 0, None
+    return load_sharded(found, model, opt, require_digests=not args.accept_undigested), found
 
 
 def run(args: DcpConfig) -> None:
@@ -125,8 +145,7 @@ def run(args: DcpConfig) -> None:
         torch.manual_seed(0)
         model = shard(wide_resnet(args.model).to(ctx.device), ctx)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        found = latest_checkpoint(args.ckpt) if args.resume else None
-        start = load_sharded(found, model, opt) if found else 0
+        start, found = resume(model, opt, ctx, args) if args.resume else (0, None)
         losses = []
         for step in range(start + 1, args.steps + 1):
             losses.append(train_step(step, model, opt, ctx, args))

@@ -154,7 +154,8 @@ def _enough(cfg: TPCheckConfig) -> None:
     check((world >= 2, "run it under torchrun with 2 or more processes"),
           ("2-D" not in cfg.modes or _two_d_fits(world),
            f"--modes 2-D needs an even number of processes >= 4, got {world}"),
-          (cfg.heads % (world // 2 if cfg.modes == ("2-D",) else world) == 0,
+          # max(1, ...): every rule is computed before the first that fails is reported
+          (cfg.heads % max(1, world // 2 if cfg.modes == ("2-D",) else world) == 0,
            f"--heads {cfg.heads} must be a multiple of the tensor-parallel ranks"),
           (cfg.seq % world == 0, f"--seq {cfg.seq} must be a multiple of {world} processes"))
 
