@@ -98,9 +98,13 @@ gpu-pytest: $(SETUP)
 	@$(NEED_GPU)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "gpu or multigpu" tests
 
+# The notebooks share the GPU, GPU_TEST_WORKERS at a time: what they check is that each path
+# runs, not how fast (their timings are not kept).
+GPU_TEST_WORKERS ?= 4
 gpu-notebooks: $(SETUP)
 	@$(NEED_GPU)
-	TUTORIAL_MEASURE=1 TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) --nbval-cell-timeout=1800 $(NB)
+	TUTORIAL_MEASURE=1 TUTORIAL_PROFILE=$(GPU_PROFILE) $(NBVAL) -n $(GPU_TEST_WORKERS) \
+	  --dist loadfile --durations=15 --nbval-cell-timeout=1800 $(NB)
 
 # Re-run every chapter in place and stamp it, on any machine: GPU numbers come from records.
 execute: $(SETUP)

@@ -174,9 +174,9 @@ def test_checkpointing_lowers_the_peak_memory_on_a_gpu():
     cfg = transformer.TransformerConfig(dim=256, layers=4, heads=4, seq=512, batches=(16,),
                                         repeats=2, device="cuda")
     plain, recomputed = transformer.step_rows(cfg)
-    assert not plain["checkpointing"] and recomputed["checkpointing"]
-    assert recomputed["peak_gib"] < 0.8 * plain["peak_gib"]
-    assert recomputed["step_ms"] > plain["step_ms"] > 0
+    assert not plain.checkpointing and recomputed.checkpointing
+    assert recomputed.peak_gib < 0.8 * plain.peak_gib
+    assert recomputed.step_ms > plain.step_ms > 0
 
 
 @pytest.mark.multigpu
