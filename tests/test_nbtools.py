@@ -232,3 +232,12 @@ def test_a_chapter_that_found_no_record_is_stale_once_the_record_is_made(tmp_pat
     _tiny_record(root, [{"x": 1}])
     (finding,) = check_notebook(path)
     assert finding.problem == f"record {key} was made since its outputs were made"
+
+
+def test_no_chapter_carries_a_notice_of_pending_re_execution():
+    # Every chapter re-executes on any machine: none waits for a GPU, none says it does.
+    book = Path(__file__).resolve().parents[1]
+    for path in [*sorted((book / "notebooks").glob("*.ipynb")), book / "book" / "records.ipynb"]:
+        nb = nbformat.read(path, as_version=4)
+        assert not [c for c in nb.cells if "pending-notice" in c.metadata.get("tags", [])
+                    or "Re-execution on" in c.source], path.name
