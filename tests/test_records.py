@@ -120,7 +120,7 @@ def test_a_chapter_reads_its_record_and_never_measures(tmp_path, monkeypatch):
     assert rows == [Row("a", 1.5)] and not source.here
     assert source.text.startswith("Record tiny: measured on") and "TUTORIAL_MEASURE" not in \
         source.text
-    assert source.made.startswith("measured on CPU only")
+    assert source.made.startswith("a record made on CPU only")
 
 
 def test_a_machine_with_the_gpus_is_told_how_to_measure_itself(tmp_path, monkeypatch):
@@ -256,3 +256,14 @@ def test_the_chapters_read_their_records_without_measuring(monkeypatch):
     assert scaling.summary(runs, 128)["weak_2_x"] > 1
     runs, _ = experiment.measured("05", experiment.plan(1, "full"), "auto")
     assert [r.processes for r in runs] == [1, 2, 2] and all(len(r.epochs) == 10 for r in runs)
+
+
+def test_a_run_described_once_is_named_in_one_line_after(tmp_path, monkeypatch):
+    _measuring(monkeypatch, tmp_path, 0, measure_env=False)
+    monkeypatch.setattr(records, "_DESCRIBED", set())
+    _write(tmp_path, [Row("a", 1.0)], name="first")
+    _write(tmp_path, [Row("b", 2.0)], name="second")  # the same command, commit and minute
+    _, first = records.measured("first", list, gpus=1, row_type=Row)
+    _, second = records.measured("second", list, gpus=1, row_type=Row)
+    assert "Remade by:" in first.text and "Code changed since: 0 of" in first.text
+    assert second.text.startswith("Record second: the same run,") and "\n" not in second.text

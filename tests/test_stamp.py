@@ -28,7 +28,10 @@ def test_git_commit_falls_back_to_environment(monkeypatch):
 
 
 @pytest.mark.parametrize("status, expected", [(" M src/x.py", "0123456789ab+dirty"),
-                                              ("", "0123456789ab")])
+                                              ("", "0123456789ab"),
+                                              (" M notebooks/01_cpu.ipynb", "0123456789ab"),
+                                              (" M notebooks/a.ipynb\n M Makefile",
+                                               "0123456789ab+dirty")])
 def test_git_commit_says_when_the_checkout_has_changes(monkeypatch, status, expected):
     monkeypatch.delenv("TUTORIAL_GIT_COMMIT", raising=False)
     said = {"rev-parse": "0123456789ab", "status": status}

@@ -140,14 +140,16 @@ def nccl_version() -> str:
 
 def _git_commit() -> str:
     """``TUTORIAL_GIT_COMMIT`` when set (a copy of the repository whose git metadata lags its
-    files), else what git says of the checkout, ``+dirty`` with uncommitted changes."""
+    files), else what git says of the checkout, ``+dirty`` with uncommitted changes to anything
+    but notebooks (executing the book rewrites their outputs; their code is checked apart)."""
     if commit := os.environ.get("TUTORIAL_GIT_COMMIT"):
         return commit
     here = Path(__file__).resolve().parent
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here)
     if commit is None:
         return "unknown"
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here) or ""
+    dirty = [line for line in status.splitlines() if not line.rstrip().endswith(".ipynb")]
     return commit + ("+dirty" if dirty else "")
 
 

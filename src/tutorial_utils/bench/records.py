@@ -72,7 +72,7 @@ class Source:
     text: str  # for the cell's output
     hardware: str  # for figure titles, such as "2 x NVIDIA H200"
     config: dict  # the configuration measured (the record's, or the one measured here)
-    made: str  # for the prose: "measured on 2 x NVIDIA H200 on 2026-11-30"
+    made: str  # for the prose: "a record made on 2 x NVIDIA H200 on 2026-11-30"
     here: bool = False  # measured on this machine while the chapter ran
     stamp: dict | None = None  # the environment stamp of the machine that measured
 
@@ -120,18 +120,28 @@ class Record:
         """Which of the modules it ran changed since, as the cell prints it."""
         changed, total = self.changed_modules(), len(self.header.get("modules", {}))
         if not total:
-            return "The modules it ran were not recorded; its source names their commit."
-        names = ", ".join(m.removeprefix("tutorial_utils.") for m in changed)
-        return (f"Modules it ran that changed since: {len(changed)} of {total}"
-                + (f" ({names})" if changed else "") + ".")
+            return ("Code changed since: not known (the record was made before records kept the "
+                    "modules they ran).")
+        names = [m.removeprefix("tutorial_utils.") for m in changed]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        return (f"Code changed since: {len(changed)} of the {total} modules it ran"
+                + (f" ({shown})" if changed else "") + ".")
 
-    def describe(self) -> str:
-        """Where, when and by what the numbers were measured, and what changed since."""
-        source = self.header.get("source")
-        lines = [f"Record {self.name}: measured on {self.hardware}, "
-                 f"{self.header['stamp']['date_utc']} UTC, commit {self.commit}"
-                 + (f" ({source})" if source else "") + ".",
-                 f"Remade by: {self.header['command']}", self.changed_text()]
+    @property
+    def machine(self) -> str:
+        """The hardware and the PyTorch it ran: "1 x NVIDIA H100 (torch 2.11.0)"."""
+        return f"{self.hardware} (torch {self.header['stamp']['torch'].split('+')[0]})"
+
+    def describe(self, short: bool = False) -> str:
+        """Where, when and by what the numbers were measured, and what changed since; ``short``:
+        one line, for a record of a run the chapter described already."""
+        made_from = " (made from a chapter's stored output)" if self.header.get("source") else ""
+        if short:
+            return (f"Record {self.name}: the same run, {self.machine}, {self.date}, commit "
+                    f"{self.commit}{made_from}.")
+        lines = [f"Record {self.name}: measured on {self.machine}, {self.date}, commit "
+                 f"{self.commit}{made_from}.", f"Remade by: {self.header['command']}",
+                 self.changed_text()]
         return "\n".join(textwrap.fill(line, 96, subsequent_indent="  ") for line in lines)
 
     def typed(self, row_type: type) -> list:
@@ -356,7 +366,9 @@ def measured(name: str, measure: Callable[[], list] | None, *, gpus: int, cfg=No
                             stamp=environment_stamp().as_dict())
     if record is None:
         return _without_record(name, gpus, have, make, stand_in, stand_in_where, cfg)
-    text = record.describe()
+    run = (record.header["command"], record.commit, record.header["stamp"]["date_utc"])
+    text = record.describe(short=run in _DESCRIBED)
+    _DESCRIBED.add(run)
     if measuring() and measure is None:
         text += f"\n{MEASURE_ENV}=1: this measurement takes too long to remake in a chapter."
     elif measuring():
@@ -365,9 +377,12 @@ def measured(name: str, measure: Callable[[], list] | None, *, gpus: int, cfg=No
     elif gpus and have >= gpus:
         text += (f"\nThis machine has {_gpus(have)}: {MEASURE_ENV}=1 measures them instead of "
                  "reading this record.")
-    made = f"measured on {record.hardware} on {record.date}"
+    made = f"a record made on {record.hardware} on {record.date}"
     return rows, Source(text, record.hardware, record.header["config"], made,
                         stamp=record.header["stamp"])
+
+
+_DESCRIBED: set[tuple] = set()  # the runs whose records this process described in full
 
 
 def _without_record(name, gpus, have, make, stand_in, where, cfg) -> tuple[list, Source]:
@@ -404,11 +419,20 @@ class Index:
                  "changed since | remade by |", "|---|---|---|---|---|---|---|"]
         for r in self.made:
             changed, total = len(r.changed_modules()), len(r.header.get("modules", {}))
-            lines.append(f"| `{r.name}` | {r.header.get('what', '')} | {r.hardware} | "
+            lines.append(f"| `{r.name}` | {r.header.get('what', '')} | {r.machine} | "
                          f"{r.header['stamp']['date_utc']} | `{r.commit}` | "
-                         + (f"{changed} of {total}" if total else "not recorded")
+                         + (f"{changed} of {total}" if total else "not known (made before "
+                            "records kept them)")
                          + f" | `{r.header['command']}` |")
         return "\n".join(lines)
+
+    def notes(self) -> str:
+        """How the records made from a chapter's stored output were made, one line each."""
+        return "\n".join(f"- `{r.name}`: {r.header['source']}." for r in self.made
+                         if r.header.get("source"))
+
+    def __repr__(self) -> str:
+        return f"<{len(self.made)} records, {len(self.pending)} pending>"
 
     def __str__(self) -> str:
         out = [f"{r.name}: {r.hardware}, {r.date}, commit {r.commit}" for r in self.made]
