@@ -228,11 +228,12 @@ def fit_line(curve: list[Breakdown], key: str = "total") -> tuple[float, float]:
 
 def curve_table(curve: list[Breakdown]) -> str:
     """One line per breakdown, in MiB; the peak is '-' where it was not measured (CPU)."""
-    cols = [Column("model", "model", width=11, left=True), Column("batch", "batch", width=6)]
+    cols = [Column("model", "model", width=10, left=True), Column("batch", "batch", width=6)]
     heads = ("params", "grads", "optim", "bf16 copies", "activations")
-    cols += [Column(p, h, ".1f", 12) for p, h in zip(PARTS, heads, strict=True)]
-    cols += [Column("total", "sum", ".1f", 10), Column("peak", "peak", ".1f", 10),
-             Column("ratio", "peak/sum", ".3f", 10)]
+    cols += [Column(p, h, ".1f", 12 if len(h) > 9 else 10)
+             for p, h in zip(PARTS, heads, strict=True)]
+    cols += [Column("total", "sum", ".1f", 9), Column("peak", "peak", ".1f", 9),
+             Column("ratio", "peak/sum", ".3f", 9)]
     rows = [{"model": b.model.upper(), "batch": b.batch, "total": b.total / MiB,
              "peak": b.peak / MiB if b.peak else None,
              "ratio": b.peak / b.total if b.peak else None,

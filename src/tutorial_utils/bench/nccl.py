@@ -75,8 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     if cfg.record:
         path = records.write(record_name(cfg.gpus), dataclasses.replace(cfg, record=True), rows,
                              __spec__.name, [WORKER], gpus=cfg.gpus,
-                             what=f"Chapter 6: NCCL's own account of a DDP job on {cfg.gpus} "
-                                  "GPU(s), from NCCL_DEBUG=INFO")
+                             what=f"Chapter 6: NCCL's own account of a DDP job on "
+                                  f"{'one GPU' if cfg.gpus == 1 else f'{cfg.gpus} GPUs'}, from "
+                                  "NCCL_DEBUG=INFO")
         print(f"wrote {path}")
 
 

@@ -137,8 +137,8 @@ class Record:
         one line, for a record of a run the chapter described already."""
         made_from = " (made from a chapter's stored output)" if self.header.get("source") else ""
         if short:
-            return (f"Record {self.name}: the same run, {self.machine}, {self.date}, commit "
-                    f"{self.commit}{made_from}.")
+            return textwrap.fill(f"Record {self.name}: the same run, {self.machine}, {self.date}, "
+                                 f"commit {self.commit}{made_from}.", 96, subsequent_indent="  ")
         lines = [f"Record {self.name}: measured on {self.machine}, {self.date}, commit "
                  f"{self.commit}{made_from}.", f"Remade by: {self.header['command']}",
                  self.changed_text()]
