@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .jsonl import fsync_path
+
 if TYPE_CHECKING:
     from .parallel.distributed import DistContext
 
@@ -140,7 +142,7 @@ def save_checkpoint(path: Path, state: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())  # the data on disk before the rename points the name at it
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
-        _fsync(path.parent)  # the rename is an entry in the folder: a crash could undo it
+        fsync_path(path.parent)  # the rename is an entry in the folder: a crash could undo it
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -166,14 +168,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # it exists, and belongs to someone else
         return True
     return True
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def load_checkpoint(

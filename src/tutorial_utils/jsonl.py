@@ -27,7 +27,7 @@ def write_jsonl(path: Path, records: Iterable[Mapping]) -> None:
         f.flush()
         os.fsync(f.fileno())
     if new:  # a new file is an entry in its folder, which a crash could lose
-        _fsync_folder(path.parent)
+        fsync_path(path.parent)
 
 
 def rewrite_jsonl(path: Path, records: Iterable[Mapping]) -> None:
@@ -41,12 +41,13 @@ def rewrite_jsonl(path: Path, records: Iterable[Mapping]) -> None:
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the file
         os.replace(tmp, path)
-        _fsync_folder(path.parent)  # the rename is an entry in the folder: a crash could undo it
+        fsync_path(path.parent)  # the rename is an entry in the folder: a crash could undo it
     finally:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _fsync_folder(folder: Path) -> None:
+def fsync_path(folder: Path) -> None:
+    """Flush a file or a folder (its entries: a rename, a new file) to the disk."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
