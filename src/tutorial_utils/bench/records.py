@@ -343,27 +343,13 @@ def measured(name: str, measure: Callable[[], list] | None, *, gpus: int, cfg=No
     too long for a chapter, which only ``make records`` remakes.
     """
     from ..devices import gpu_count
-    from ..stamp import environment_stamp
 
     have, record = gpu_count(), load(name)
     rows = record.typed(row_type) if record is not None and row_type else \
         (record.rows if record is not None else [])
     make = f"`make records` on a machine with {_gpus(gpus)} makes it"
     if measure is not None and measures_here(gpus):
-        here, hardware = measure(), environment_stamp().hardware
-        lines = [f"Measured here, on {hardware} ({MEASURE_ENV}=1)."]
-        if record is not None:
-            lines.append(f"Beside it, record {name}: {record.hardware}, {record.date}, "
-                         f"commit {record.commit}.")
-            if cfg is not None and (differ := _differences(record.header["config"], cfg)):
-                lines.append(f"Its settings differ: {differ}.")
-            if compare is not None:
-                lines += ["", compare.table(rows, here, record.hardware, hardware)]
-        else:
-            lines.append(f"No record {name} to set beside it yet ({make}).")
-        return here, Source("\n".join(lines), hardware, to_dict(cfg) if cfg else {},
-                            f"measured here on {hardware}", here=True,
-                            stamp=environment_stamp().as_dict())
+        return _measure_here(name, measure(), record, rows, cfg, compare, make)
     if record is None:
         return _without_record(name, gpus, have, make, stand_in, stand_in_where, cfg)
     run = (record.header["command"], record.commit, record.header["stamp"]["date_utc"])
@@ -380,6 +366,26 @@ def measured(name: str, measure: Callable[[], list] | None, *, gpus: int, cfg=No
     made = f"a record made on {record.hardware} on {record.date}"
     return rows, Source(text, record.hardware, record.header["config"], made,
                         stamp=record.header["stamp"])
+
+
+def _measure_here(name, here, record, rows, cfg, compare, make) -> tuple[list, Source]:
+    """This machine's rows, and a text that sets them beside the record's where there is one."""
+    from ..stamp import environment_stamp
+
+    hardware = environment_stamp().hardware
+    lines = [f"Measured here, on {hardware} ({MEASURE_ENV}=1)."]
+    if record is not None:
+        lines.append(f"Beside it, record {name}: {record.hardware}, {record.date}, "
+                     f"commit {record.commit}.")
+        if cfg is not None and (differ := _differences(record.header["config"], cfg)):
+            lines.append(f"Its settings differ: {differ}.")
+        if compare is not None:
+            lines += ["", compare.table(rows, here, record.hardware, hardware)]
+    else:
+        lines.append(f"No record {name} to set beside it yet ({make}).")
+    return here, Source("\n".join(lines), hardware, to_dict(cfg) if cfg else {},
+                        f"measured here on {hardware}", here=True,
+                        stamp=environment_stamp().as_dict())
 
 
 _DESCRIBED: set[tuple] = set()  # the runs whose records this process described in full
