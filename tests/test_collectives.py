@@ -176,3 +176,17 @@ def test_message_sizes_and_gradient_bytes():
     assert bench.message_sizes(8192, factor=2) == [4096, 8192]
     assert bench.gradient_bytes("wrn-28-10") == 4 * 36_479_194  # every parameter, float32
     assert bench.human_bytes(4096) == "4 KiB" and bench.human_bytes(1.5 * 2**20) == "1.5 MiB"
+
+
+def test_auto_with_fewer_gpus_than_processes_runs_cpu_processes(monkeypatch):
+    from tutorial_utils import devices
+
+    monkeypatch.setattr(devices, "gpu_count", lambda: 1)
+    monkeypatch.setattr(bench, "gpu_count", lambda: 1)
+    cfg = bench.CollectivesConfig(nproc=2)
+    cfg.check_machine()  # no error: gloo between CPU processes instead
+    assert cfg.on == "cpu"
+    with pytest.raises(ConfigError, match="--nproc 2: asked for 2 GPU"):
+        bench.CollectivesConfig(nproc=2, device="cuda").check_machine()
+    with pytest.raises(ConfigError, match="leave out --record"):
+        bench.CollectivesConfig(nproc=2, record=True).check_machine()

@@ -91,9 +91,13 @@ class CollectivesConfig(Config):
               (self.repeats >= 1, f"--repeats must be >= 1, got {self.repeats}"))
 
     def check_machine(self) -> None:
-        """One GPU per process; CPU processes with --device cpu or on a machine without GPUs."""
-        if self.device == "cuda" or (self.device == "auto" and gpu_count()):
+        """One GPU per process with --device cuda, and for a record (it names its GPUs); with
+        --device auto, fewer GPUs than processes run CPU processes instead, and say so."""
+        if self.device == "cuda":
             check_gpus(self.nproc, "--nproc", "--device cpu (gloo between CPU processes)",
+                       fewest=2)
+        elif self.record:
+            check_gpus(self.nproc, "--nproc", "leave out --record to time CPU processes",
                        fewest=2)
 
     @property
@@ -250,6 +254,9 @@ def _gradient_summary(records: list[CollectiveRow], model: AlphaBeta, largest: i
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(CollectivesConfig, argv, __spec__.name,
                         CollectivesConfig.check_machine)
+    if cfg.on == "cpu":
+        print(f"{cfg.nproc} CPU processes (gloo): this machine has {gpu_count()} GPU(s) for "
+              f"{cfg.nproc} processes" if gpu_count() else f"{cfg.nproc} CPU processes (gloo)")
     rows = run(cfg)
     fits = fit(rows)
     s = summary(rows, fits)
