@@ -106,7 +106,7 @@ def test_expert_parallelism_equals_one_process(nproc, experts, top_k):
     rows = bench.check_rows(nproc, EPCheckConfig(device="cpu", experts=experts, top_k=top_k))
     assert [(r.experts, r.top_k) for r in rows] == [(e, k) for e in experts for k in top_k]
     for r in rows:
-        assert max(r.loss_diff, r.router_grad_diff, r.expert_grad_diff,
+        assert max(r.loss_diff, r.out_diff, r.router_grad_diff, r.expert_grad_diff,
                    r.other_grad_diff) < TOL, r
         assert sum(r.per_expert) == r.tokens * r.top_k and r.imbalance >= 1
         assert len(r.bytes_out) == nproc and all(b > 0 for b in r.bytes_out)

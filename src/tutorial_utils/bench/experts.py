@@ -26,7 +26,7 @@ def dispatch_table(rows: list[EPRow]) -> str:
     """One line per run: the dispatch, and the largest difference from one process."""
     lines = [{**vars(r), "per_expert": "  " + " ".join(map(str, r.per_expert)),
               "kib": max(r.bytes_out) / 2**10, "kib_even": r.predicted_bytes / 2**10,
-              "worst": max(r.loss_diff, r.router_grad_diff, r.expert_grad_diff,
+              "worst": max(r.loss_diff, r.out_diff, r.router_grad_diff, r.expert_grad_diff,
                            r.other_grad_diff)} for r in rows]
     width = max([len(r["per_expert"]) for r in lines] + [19]) + 2
     return table(lines, (

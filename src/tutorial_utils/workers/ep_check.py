@@ -8,8 +8,8 @@ gradients on the whole batch are the reference. Then each rank keeps E / N exper
 its loss is divided by N, so that the ranks' losses add up to the batch's mean. The gradients
 of what every rank holds (the router, attention, embeddings) are summed over the ranks, as
 data parallelism would; each expert's is compared whole on the rank that holds it. Rank 0
-writes one row per (experts, top_k): the largest differences, the tokens each expert got and
-the bytes each rank sent by all-to-all.
+writes one row per (experts, top_k): the largest differences (the loss, the logits and the
+gradients), the tokens each expert got and the bytes each rank sent by all-to-all.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class EPRow:
     top_k: int
     tokens: int  # routed per block, all ranks together
     loss_diff: float
+    out_diff: float  # the logits of every rank's tokens
     router_grad_diff: float
     expert_grad_diff: float
     other_grad_diff: float  # attention, norms, embeddings, output layer
@@ -100,15 +101,19 @@ def check_one(cfg: EPCheckConfig, experts: int, top_k: int, ctx: DistContext) ->
                          dim=cfg.dim, experts=experts, top_k=top_k)).to(ctx.device)
     x, y = torch.randint(0, 256, (2, cfg.batch, cfg.seq), device=ctx.device)
     reference = copy.deepcopy(base)
-    whole_loss = lm_loss(reference(x), y)
+    whole = reference(x)
+    whole_loss = lm_loss(whole, y)
     whole_loss.backward()
     model = split_experts(copy.deepcopy(base))
     share = cfg.batch // ctx.world_size
     rows = slice(ctx.rank * share, (ctx.rank + 1) * share)
-    loss = lm_loss(model(x[rows]), y[rows]) / ctx.world_size
+    logits = model(x[rows])
+    loss = lm_loss(logits, y[rows]) / ctx.world_size
     loss.backward()
     loss = loss.detach().clone()
     dist.all_reduce(loss)
+    out_diff = (logits - whole[rows]).detach().abs().max()
+    dist.all_reduce(out_diff, op=dist.ReduceOp.MAX)
     diffs = grad_diffs(model, reference, ctx, experts // ctx.world_size)
     first = torch.tensor(model.blocks[0].mlp.last.per_expert, device=ctx.device)
     dist.all_reduce(first)
@@ -117,7 +122,7 @@ def check_one(cfg: EPCheckConfig, experts: int, top_k: int, ctx: DistContext) ->
     sent = [torch.zeros_like(mine) for _ in range(ctx.world_size)]
     dist.all_gather(sent, mine)
     return EPRow(ctx.world_size, experts, top_k, cfg.batch * cfg.seq,
-                 float((loss - whole_loss.detach()).abs()), **diffs,
+                 float((loss - whole_loss.detach()).abs()), float(out_diff), **diffs,
                  per_expert=tuple(first.tolist()),
                  imbalance=imbalance(first.tolist()), bytes_out=tuple(int(s) for s in sent),
                  predicted_bytes=cfg.layers * predicted_bytes(share * cfg.seq, cfg.dim, top_k,
