@@ -6,12 +6,15 @@ Measurement` s (the pipeline schedules of :mod:`.pipeline_schedules`, the compos
 :mod:`tutorial_utils.workers.hybrid_check`) and gives the planner a machine to predict for.
 
 On CPU processes the "GPU" is a CPU process: its peak is the rate of a float32 matrix product
-on one thread (:func:`tutorial_utils.parallel.planner.matmul_flops`), at efficiency 1, shared
-with the other processes where there are fewer cores than processes, and its link is gloo's,
-from chapter 3b's alpha-beta fit of the all-reduce (:func:`cpu_link`). Both are measured on the
-machine that runs the chapter, so the error printed is the model's, not a datasheet's. Where
-it exceeds 25 %, the usual reasons on CPU processes are the Python overhead of the schedules
-and the collectives on small tensors, which the model does not count, and a loaded machine.
+on one thread (:func:`tutorial_utils.parallel.planner.matmul_flops`), shared with the other
+processes where there are fewer cores than processes; its efficiency is fitted on one process
+running the same GPT at the same micro-batch
+(:func:`tutorial_utils.parallel.planner.fitted_efficiency`: at these sizes per-call costs, not
+FLOPs, set the time, and a matrix product's rate alone predicts the runs twenty times too
+fast); its link is gloo's, from chapter 3b's alpha-beta fit of the all-reduce
+(:func:`cpu_link`). All are measured on the machine that runs the chapter, so the error printed
+is what the model leaves out: the schedules' own Python overhead per action, waits longer than
+the alpha-beta model's for small messages, and other work on a shared machine.
 """
 
 from __future__ import annotations

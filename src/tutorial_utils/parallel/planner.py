@@ -465,13 +465,43 @@ def compare(measurements: Sequence[Measurement], hw: Hardware) -> list[ErrorRow]
 
 
 def cpu_hardware(matmul_flops: float, link: Link, processes: int, cores: int,
-                 memory_bytes: float = 8e9) -> Hardware:
+                 efficiency: float = 1.0, memory_bytes: float = 8e9) -> Hardware:
     """CPU processes standing in for GPUs: each gets its share of the cores' matrix-product
-    rate (measured: :func:`matmul_flops`) at efficiency 1, and gloo's link as fitted by
+    rate (measured: :func:`matmul_flops`) at ``efficiency`` (fit it with
+    :func:`fitted_efficiency` on one process at the same size), and gloo's link as fitted by
     chapter 3b. Where there are fewer cores than processes, they share them."""
     share = min(1.0, cores / processes)
     return Hardware(f"{processes} CPU processes on {cores} cores", memory_bytes,
-                    matmul_flops * share, link, efficiency=1.0, gpus_per_node=processes)
+                    matmul_flops * share, link, efficiency=efficiency, gpus_per_node=processes)
+
+
+def fitted_efficiency(cfg: GPTConfig, sequences: int, peak_flops: float, repeats: int = 5,
+                      threads: int | None = 1) -> float:
+    """The fraction of ``peak_flops`` one process reaches on a forward and backward of the
+    whole GPT on ``sequences`` sequences (float32, ``threads`` threads): the efficiency to
+    predict CPU runs with. At the book's CPU sizes a step is hundreds of small operations,
+    whose per-call cost, not their FLOPs, sets the time: a matrix product's rate alone would
+    predict them many times too fast."""
+    import torch
+
+    from ..models.gpt import GPT, lm_loss
+    from ..timing import benchmark
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        model = GPT(cfg)
+        x = torch.randint(0, cfg.vocab, (sequences, cfg.seq))
+
+        def step() -> None:
+            lm_loss(model(x), x).backward()
+            model.zero_grad(set_to_none=True)
+
+        t = benchmark(step, warmup=2, repeats=repeats).median_ms / 1e3
+    finally:
+        torch.set_num_threads(before)
+    return ModelShape.of(cfg, sequences).flops_per_step / t / peak_flops
 
 
 def matmul_flops(n: int = 512, repeats: int = 5, threads: int | None = 1) -> float:
