@@ -143,6 +143,8 @@ class GPTStage(nn.Module):
 
     Token indices in (first stage), activations (batch, seq, dim) between stages, logits out
     (last stage). Activations leave contiguous: ``torch.distributed`` sends only those.
+    ``positions``: where in the whole sequence the tokens stand, for the first stage's
+    position embedding (None: ``0 .. seq-1``; a context-parallel rank sets its own).
     """
 
     def __init__(self, embed: nn.Module | None, blocks: Sequence[nn.Module],
@@ -151,10 +153,11 @@ class GPTStage(nn.Module):
         self.embed, self.norm, self.head = embed, norm, head
         self.blocks = nn.ModuleList(blocks)
         self.index = index  # the stage's place in the pipeline, for the activation meter
+        self.positions: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
-            x = self.embed(x)
+            x = self.embed(x, self.positions)
         for block in self.blocks:
             x = block(x)
         if self.head is not None:
