@@ -2,24 +2,37 @@
 
 The N processes are laid out as a 4-D grid, ``dp x cp x pp x tp`` (PyTorch's ``DeviceMesh``),
 the fastest-varying dimension last: the ``tp`` ranks of a group are neighbours (on GPUs, the
-same machine and NVLink), because tensor parallelism talks in every layer; pipeline neighbours
-come next, and data parallelism, which talks once per step, spans the farthest processes.
-Each process then holds
+same machine and NVLink), because tensor parallelism talks in every layer; the ``cp`` ring
+talks in every attention, the pipeline once per stage and micro-batch, and data parallelism,
+which talks once per step, spans the farthest processes. Each process then holds
 
 - the blocks of its pipeline stage (``pp``; :mod:`.gpt_pipeline`), built alone on the meta
   device and materialised, nothing else;
 - of those, its slice of every matrix (``tp``; the plan of :func:`.tensor.block_plan`, and the
   output layer split by vocabulary);
-- of those slices, its shard (``dp``; FSDP2, ZeRO-3), whose gradients are reduce-scattered
-  over the ``dp`` ranks once per step, after the last micro-batch;
-- and its part of the batch: the ``dp`` groups take different sequences.
+- of those slices, its shard (FSDP2, ZeRO-3) over the ``dp x cp`` ranks together;
+- and its part of the batch: the ``dp`` groups take different sequences, and the ``cp`` ranks
+  of a group take different tokens of each: the zig-zag slice of :func:`.context.shard`
+  (tokens, targets and, for the position embedding, the tokens' places).
 
-Context parallelism (``cp``) would split each sequence over its ranks and pass keys and values
-around a ring in attention; that attention is written in :mod:`.context`, by hand, and is not
-wired into this composition yet: :func:`check_mesh` accepts ``cp = 1`` only (a 4-D mesh with a
-context dimension of size 1), and says so in one line otherwise. PyTorch's own
-``context_parallel`` replaces the CUDA attention kernels (flash, memory-efficient, cuDNN) and
-does not run on CPU processes.
+Context parallelism (:mod:`.context`) changes only the attention: in every block of a stage it
+is the hand-written ring attention over the ``cp`` ranks, on each tp rank's own heads (tensor
+parallelism splits the heads, the ring splits the tokens: the two do not meet). Every other
+layer works token by token on the rank's slice.
+
+The gradients: the ``cp`` ranks hold the same weights and each computes a share of every
+gradient (ring attention's backward sends each rank the gradients of its keys and values that
+the other ranks' queries produced), so their sum over ``cp`` is the whole sequence's gradient,
+as the sum over ``dp`` is the whole batch's. Both sums are one reduction, so FSDP2 shards the
+model over the ``dp x cp`` ranks flattened into one dimension (as torchtitan does): a
+reduce-scatter over ``dp x cp`` ranks, whose mean is the gradient of the global batch's mean
+loss (every rank holds as many tokens). Flattening uses ``DeviceMesh._flatten``, private: in
+torch 2.11 and 2.14 there is no public way to make one dimension of two, and FSDP2 with tensor
+parallelism needs both meshes cut from the same one. Sharding over ``dp`` alone and
+all-reducing over ``cp`` by hand would work too, with ``cp`` times the model state on each rank.
+
+PyTorch's own ``context_parallel`` replaces the CUDA attention kernels (flash,
+memory-efficient, cuDNN) and does not run on CPU processes; the ring here runs on both.
 """
 
 from __future__ import annotations
@@ -35,6 +48,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 
 from ..config import ConfigError
 from ..models.gpt import GPTConfig
+from .context import positions, shard, split_sequence
 from .gpt_pipeline import GPTStage, Pipeline, build_pipeline, check_pipeline
 from .tensor import block_plan
 
@@ -59,7 +73,7 @@ class MeshShape:
 
 
 def check_mesh(shape: MeshShape, world: int, cfg: GPTConfig, batch: int, micro_batches: int,
-               schedule: str = "1f1b", cp_supported: bool = False) -> None:
+               schedule: str = "1f1b") -> None:
     """One line (:class:`ConfigError`) for a layout that cannot run, before any work."""
     rules = [
         (min(shape.dp, shape.cp, shape.pp, shape.tp) >= 1,
@@ -73,9 +87,6 @@ def check_mesh(shape: MeshShape, world: int, cfg: GPTConfig, batch: int, micro_b
         (cfg.seq % (2 * shape.cp) == 0 or shape.cp == 1,
          f"a sequence of {cfg.seq} tokens cannot be split by a ring of cp={shape.cp}: the "
          f"zig-zag split needs a multiple of 2 x cp = {2 * shape.cp}"),
-        (shape.cp == 1 or cp_supported,
-         f"cp={shape.cp}: context parallelism inside the composed mesh is pending (the ring "
-         "attention of parallel/context.py is not wired in yet); use cp=1"),
         (batch % shape.dp == 0, f"a batch of {batch} sequences does not split over "
                                 f"dp={shape.dp} groups"),
     ]
@@ -89,9 +100,22 @@ def check_mesh(shape: MeshShape, world: int, cfg: GPTConfig, batch: int, micro_b
                           f"{micro_batches} micro-batches")
 
 
-def make_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
-    return init_device_mesh(device_type, (shape.dp, shape.cp, shape.pp, shape.tp),
+def make_mesh(shape: MeshShape, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The 4-D mesh, and its dp and cp dimensions flattened into one: FSDP2's mesh."""
+    mesh = init_device_mesh(device_type, (shape.dp, shape.cp, shape.pp, shape.tp),
                             mesh_dim_names=DIMS)
+    # every process takes part (it makes process groups); kept, not sliced from the 4-D mesh
+    # again by name (PyTorch deprecates that)
+    return mesh, mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def cp_stage(stage: GPTStage, cp_mesh: DeviceMesh, seq: int, device: torch.device) -> GPTStage:
+    """Ring attention over the ``cp`` ranks in every block of the stage, and the places in the
+    whole sequence of this rank's tokens for the first stage's position embedding."""
+    split_sequence(stage, zigzag=True, group=cp_mesh.get_group())
+    stage.positions = positions(seq, cp_mesh.get_local_rank(), cp_mesh.size(), zigzag=True,
+                                device=device)
+    return stage
 
 
 def tp_stage(stage: GPTStage, tp_mesh: DeviceMesh) -> GPTStage:
@@ -105,13 +129,13 @@ def tp_stage(stage: GPTStage, tp_mesh: DeviceMesh) -> GPTStage:
     return stage
 
 
-def shard_stage(stage: GPTStage, dp_mesh: DeviceMesh) -> GPTStage:
-    """FSDP2 over the ``dp`` ranks: each block one unit, the rest (embedding, norm, head) the
-    stage's own. The pipeline schedule holds the gradient reduce-scatter back until a stage's
-    last micro-batch."""
+def shard_stage(stage: GPTStage, shard_mesh: DeviceMesh) -> GPTStage:
+    """FSDP2 over ``shard_mesh`` (the ``dp x cp`` ranks): each block one unit, the rest
+    (embedding, norm, head) the stage's own. The pipeline schedule holds the gradient
+    reduce-scatter back until a stage's last micro-batch."""
     for block in stage.blocks:
-        fully_shard(block, mesh=dp_mesh)
-    fully_shard(stage, mesh=dp_mesh)
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(stage, mesh=shard_mesh)
     return stage
 
 
@@ -130,28 +154,38 @@ class Hybrid:
 
     @property
     def holds_loss(self) -> bool:
-        """Whether this process computes the loss that counts (last stage, tp rank 0)."""
+        """Whether this process computes a share of the loss that counts (last stage, tp rank
+        0): its dp group's mean over its cp rank's tokens. The global batch's loss is the
+        mean of those shares over the dp x cp ranks, each holding as many tokens."""
         last = self.pipeline.has_last if self.pipeline else True
-        return last and self.coords["tp"] == 0 and self.coords["cp"] == 0
+        return last and self.coords["tp"] == 0
 
-    def rows(self, batch: int) -> slice:
-        """The sequences of the global batch this process's dp group trains on."""
-        per = batch // self.shape.dp
-        return slice(self.coords["dp"] * per, (self.coords["dp"] + 1) * per)
+    def local_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This process's part of global (batch, seq) tensors (tokens, targets): its dp
+        group's sequences and, of each, its cp rank's zig-zag slice of the tokens."""
+        per = len(tensors[0]) // self.shape.dp
+        dp, cp = self.coords["dp"], self.coords["cp"]
+        rows = [t[dp * per:(dp + 1) * per] for t in tensors]
+        if self.shape.cp == 1:
+            return tuple(rows)
+        return tuple(shard(t, cp, self.shape.cp, zigzag=True, dim=1) for t in rows)
 
 
 def build_hybrid(cfg: GPTConfig, shape: MeshShape, device: torch.device, micro_batches: int,
                  schedule: str = "1f1b", seed: int = 0) -> Hybrid:
-    """Lay the GPT out over ``shape``: pipeline stages over ``pp``, TP inside each stage over
-    ``tp``, FSDP2 over ``dp`` (skipped where dp = 1)."""
-    mesh = make_mesh(shape, device.type)
+    """Lay the GPT out over ``shape``: pipeline stages over ``pp``, ring attention over ``cp``
+    and TP over ``tp`` inside each stage, FSDP2 over ``dp x cp`` (each skipped where its size
+    is 1)."""
+    mesh, shard_mesh = make_mesh(shape, device.type)
     coords = {d: mesh[d].get_local_rank() for d in DIMS}
 
     def wrap(stage: GPTStage) -> GPTStage:
+        if shape.cp > 1:
+            cp_stage(stage, mesh["cp"], cfg.seq, device)
         if shape.tp > 1:
             tp_stage(stage, mesh["tp"])
-        if shape.dp > 1:
-            shard_stage(stage, mesh["dp"])
+        if shape.dp * shape.cp > 1:
+            shard_stage(stage, shard_mesh)
         return stage
 
     if shape.pp == 1:

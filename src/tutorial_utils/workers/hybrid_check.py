@@ -1,11 +1,12 @@
 """Run under torchrun: the GPT on a 3-D or 4-D mesh, trained a few steps, against one process.
 
     torchrun --standalone --nproc_per_node=8 -m tutorial_utils.workers.hybrid_check \\
-        --dp 2 --pp 2 --tp 2 --out h.jsonl
+        --dp 1 --cp 2 --pp 2 --tp 2 --out h.jsonl
 
 Every process builds only its part of the model (:mod:`tutorial_utils.parallel.hybrid`): its
-pipeline stage, of that its tensor-parallel slices, of those its FSDP shard. All train
-``--steps`` steps of AdamW on the same global batches, each dp group on its share; one process
+pipeline stage, of that its tensor-parallel slices, of those its FSDP shard, with ring
+attention over the cp ranks. All train ``--steps`` steps of AdamW on the same global batches,
+each dp group on its sequences and each cp rank on its zig-zag slice of them; one process
 also trains the whole GPT on the whole batches. Rank 0 writes one :class:`HybridRow`: the
 largest difference of the loss over the steps and of the first step's gradients, what each
 process holds (parameters, gradients, optimizer state, for the planner's memory model), and
@@ -62,7 +63,8 @@ class HybridConfig(Config):
     process."""
 
     dp: int = opt(2, "data-parallel groups (FSDP2 inside each)")
-    cp: int = opt(1, "context-parallel ranks (1: the context dimension is present, of size 1)")
+    cp: int = opt(1, "context-parallel ranks (ring attention; each takes 1/cp of every "
+                     "sequence)")
     pp: int = opt(2, "pipeline stages")
     tp: int = opt(2, "tensor-parallel ranks")
     schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "zbv"] = opt("1f1b", "pipeline "
@@ -108,10 +110,10 @@ def data(cfg: HybridConfig, device):
 
 
 def train_step(h: Hybrid, x, y) -> float:
-    """One step's forward and backward on this dp group's rows; this process's loss (its
-    micro-batches' mean) if it holds the loss, else 0."""
-    rows = h.rows(len(x))
-    x, y = x[rows], y[rows]
+    """One step's forward and backward on this process's part of the batch (its dp group's
+    rows, its cp rank's tokens); this process's loss (its micro-batches' mean) if it holds a
+    share of the loss, else 0."""
+    x, y = h.local_batch(x, y)
     if h.pipeline is not None:
         losses = h.pipeline.step(x, y)
         return torch.stack(losses).mean().item() if h.pipeline.has_last else 0.0
@@ -122,8 +124,9 @@ def train_step(h: Hybrid, x, y) -> float:
 
 
 def global_loss(ctx: DistContext, h: Hybrid, mine: float) -> float:
-    """The global batch's loss: the mean over dp groups of the loss their last stage saw."""
-    t = torch.tensor([mine / h.shape.dp if h.holds_loss else 0.0], dtype=torch.float64,
+    """The global batch's loss: the mean over the dp x cp ranks of the last stage's losses."""
+    shares = h.shape.dp * h.shape.cp
+    t = torch.tensor([mine / shares if h.holds_loss else 0.0], dtype=torch.float64,
                      device=ctx.device)
     dist.all_reduce(t)
     return t.item()
