@@ -1,8 +1,8 @@
-"""Chapter 8: the GPT on a 3-D and a 4-D mesh (data x context x pipeline x tensor) against one
+"""Chapter 8: the GPT on a 3-D and a 4-D mesh (data x pipeline x context x tensor) against one
 process.
 
 Eight gloo processes, twice: dp 2 x pp 2 x tp 2 (3-D; the context dimension of size 1), and
-dp 1 x cp 2 x pp 2 x tp 2 (4-D with context: every dimension but dp splits something; the cp
+dp 1 x pp 2 x cp 2 x tp 2 (4-D with context: every dimension but dp splits something; the cp
 ranks take zig-zag slices of every sequence, their attention a ring). Tolerances: the same
 values summed in another order in float32 (micro-batches, tensor-parallel partial sums, the
 online softmax of the ring, the mean over dp x cp); the loss over three AdamW steps to 1e-5,
@@ -25,10 +25,10 @@ SMALL = GPTConfig(seq=16, layers=2, heads=2, dim=32)
 
 
 @pytest.mark.parametrize("shape", [MeshShape(dp=2, pp=2, tp=2), MeshShape(cp=2, pp=2, tp=2)],
-                         ids=["3d-dp2-pp2-tp2", "4d-cp2-pp2-tp2"])
+                         ids=["3d-dp2-pp2-tp2", "4d-pp2-cp2-tp2"])
 def test_a_gpt_on_a_mesh_of_8_processes_trains_like_one_process(shape, tmp_path):
     out = tmp_path / "hybrid.jsonl"
-    sizes = {d: getattr(shape, d) for d in ("dp", "cp", "pp", "tp")}
+    sizes = {d: getattr(shape, d) for d in ("dp", "pp", "cp", "tp")}
     (row,) = torchrun("tutorial_utils.workers.hybrid_check",
                       [*(a for d, n in sizes.items() for a in (f"--{d}", str(n))), "--device",
                        "cpu", "--repeats", "2", "--out", str(out)], nproc=8, timeout_s=240,
@@ -38,13 +38,13 @@ def test_a_gpt_on_a_mesh_of_8_processes_trains_like_one_process(shape, tmp_path)
     assert row["losses"][0] != row["losses"][-1]  # it trained
     # What each process holds is the planner's prediction, exactly: its stage's parameters,
     # split over tp and sharded over dp x cp (2 ranks on both meshes), 4 bytes each for the
-    # weights and the gradients and 8 for AdamW's two moments. Ranks are ordered dp, cp, pp,
-    # tp: pp stage = (rank // 2) % 2.
+    # weights and the gradients and 8 for AdamW's two moments. Ranks are ordered dp, pp, cp,
+    # tp: the pp stage is rank // (cp x tp) % pp.
     model = planner.ModelShape.of(SMALL, batch=8)
     layout = planner.Layout(dp=shape.dp, tp=shape.tp, pp=shape.pp, cp=shape.cp,
                             micro_batch=8 // shape.dp // 2, zero="ZeRO-3")
     for rank in range(8):
-        stage = (rank // 2) % 2
+        stage = rank // (shape.cp * shape.tp) % shape.pp
         n = planner.params_per_gpu(model, layout, stage) // (shape.dp * shape.cp)
         assert row["params_per_rank"][rank] == n
         assert (row["param_bytes"][rank], row["grad_bytes"][rank],
@@ -61,12 +61,13 @@ def test_a_gpt_on_a_mesh_of_8_processes_trains_like_one_process(shape, tmp_path)
 
 
 @pytest.mark.parametrize(("shape", "world", "message"), [
-    (MeshShape(2, 1, 2, 1), 8, "holds 4 processes, not the 8 launched"),
-    (MeshShape(1, 1, 1, 4), 4, "2 heads do not split over tp=4"),
-    (MeshShape(1, 1, 4, 1), 4, "pp=4 stages for 2 blocks: more stages than blocks"),
-    (MeshShape(1, 3, 1, 1), 3, "a sequence of 16 tokens cannot be split by a ring of cp=3: "
-                               "the zig-zag split needs a multiple of 2 x cp = 6"),
-    (MeshShape(3, 1, 1, 1), 3, "batch of 8 sequences does not split over dp=3"),
+    (MeshShape(dp=2, pp=2), 8, "the mesh dp2 x pp2 x cp1 x tp1 holds 4 processes, not the 8 "
+                               "launched"),
+    (MeshShape(tp=4), 4, "2 heads do not split over tp=4"),
+    (MeshShape(pp=4), 4, "pp=4 stages for 2 blocks: more stages than blocks"),
+    (MeshShape(cp=3), 3, "a sequence of 16 tokens cannot be split by a ring of cp=3: the "
+                         "zig-zag split needs a multiple of 2 x cp = 6"),
+    (MeshShape(dp=3), 3, "batch of 8 sequences does not split over dp=3"),
 ])
 def test_nonsense_meshes_end_in_one_line(shape, world, message):
     with pytest.raises(ConfigError, match=message):

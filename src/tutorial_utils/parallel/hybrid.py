@@ -1,10 +1,12 @@
-"""Several dimensions at once: data x context x pipeline x tensor parallelism on one device mesh.
+"""Several dimensions at once: data x pipeline x context x tensor parallelism on one device mesh.
 
-The N processes are laid out as a 4-D grid, ``dp x cp x pp x tp`` (PyTorch's ``DeviceMesh``),
-the fastest-varying dimension last: the ``tp`` ranks of a group are neighbours (on GPUs, the
-same machine and NVLink), because tensor parallelism talks in every layer; the ``cp`` ring
-talks in every attention, the pipeline once per stage and micro-batch, and data parallelism,
-which talks once per step, spans the farthest processes. Each process then holds
+The N processes are laid out as a 4-D grid, ``dp x pp x cp x tp`` (PyTorch's ``DeviceMesh``),
+the fastest-varying dimension last, so that the dimensions that talk most sit closest: the
+``tp`` ranks of a group are neighbours (on GPUs, the same machine and NVLink), because tensor
+parallelism talks in every layer; the ``cp`` ring comes next (every attention, forward and
+backward), then the pipeline (one send per stage and micro-batch), and data parallelism, which
+talks once per step, spans the farthest processes (the planner, :mod:`.planner`, assumes the
+same order). Each process then holds
 
 - the blocks of its pipeline stage (``pp``; :mod:`.gpt_pipeline`), built alone on the meta
   device and materialised, nothing else;
@@ -52,7 +54,7 @@ from .context import positions, shard, split_sequence
 from .gpt_pipeline import GPTStage, Pipeline, build_pipeline, check_pipeline
 from .tensor import block_plan
 
-DIMS = ("dp", "cp", "pp", "tp")
+DIMS = ("dp", "pp", "cp", "tp")  # the mesh's dimensions, outermost first
 
 
 @dataclass(frozen=True)
@@ -60,13 +62,13 @@ class MeshShape:
     """How many processes along each dimension; their product is the number of processes."""
 
     dp: int = 1
-    cp: int = 1
     pp: int = 1
+    cp: int = 1
     tp: int = 1
 
     @property
     def size(self) -> int:
-        return self.dp * self.cp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     def __str__(self) -> str:
         return " x ".join(f"{d}{getattr(self, d)}" for d in DIMS)
@@ -76,7 +78,7 @@ def check_mesh(shape: MeshShape, world: int, cfg: GPTConfig, batch: int, micro_b
                schedule: str = "1f1b") -> None:
     """One line (:class:`ConfigError`) for a layout that cannot run, before any work."""
     rules = [
-        (min(shape.dp, shape.cp, shape.pp, shape.tp) >= 1,
+        (min(shape.dp, shape.pp, shape.cp, shape.tp) >= 1,
          f"every mesh dimension must be >= 1, got {shape}"),
         (shape.size == world, f"the mesh {shape} holds {shape.size} processes, not the "
                               f"{world} launched: the product of its sizes must be {world}"),
@@ -102,7 +104,7 @@ def check_mesh(shape: MeshShape, world: int, cfg: GPTConfig, batch: int, micro_b
 
 def make_mesh(shape: MeshShape, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
     """The 4-D mesh, and its dp and cp dimensions flattened into one: FSDP2's mesh."""
-    mesh = init_device_mesh(device_type, (shape.dp, shape.cp, shape.pp, shape.tp),
+    mesh = init_device_mesh(device_type, tuple(getattr(shape, d) for d in DIMS),
                             mesh_dim_names=DIMS)
     # every process takes part (it makes process groups); kept, not sliced from the 4-D mesh
     # again by name (PyTorch deprecates that)

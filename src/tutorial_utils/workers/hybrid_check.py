@@ -59,7 +59,7 @@ class HybridRow:
 
 @dataclass
 class HybridConfig(Config):
-    """Run under torchrun: a GPT on a dp x cp x pp x tp mesh, trained a few steps, against one
+    """Run under torchrun: a GPT on a dp x pp x cp x tp mesh, trained a few steps, against one
     process."""
 
     dp: int = opt(2, "data-parallel groups (FSDP2 inside each)")
@@ -86,7 +86,7 @@ class HybridConfig(Config):
 
     @property
     def shape(self) -> MeshShape:
-        return MeshShape(self.dp, self.cp, self.pp, self.tp)
+        return MeshShape(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
 
     @property
     def model(self) -> GPTConfig:
