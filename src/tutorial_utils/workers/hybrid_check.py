@@ -16,6 +16,7 @@ with ``--repeats`` the step time.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -212,10 +213,11 @@ def compare(cfg: HybridConfig, ctx: DistContext) -> HybridRow:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(HybridConfig, argv, __spec__.name, machine=_fits)
     # FSDP2 warns of a stage returning a view (the head's logits, a DTensor's local view): no
-    # in-place op follows here. Gathering a gradient sharded over both dp and tp takes two
-    # all-gathers, of which DTensor warns: this is a check, not the training step.
+    # in-place op follows here. Gathering a gradient sharded over both dp x cp and tp takes two
+    # all-gathers, of which DTensor warns (through its logger, once per rank): this is a check,
+    # not the training step.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-    warnings.filterwarnings("ignore", message="While redistributing from")
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     with distributed(cfg.device) as ctx:
         row = compare(cfg, ctx)
         if ctx.is_main:
