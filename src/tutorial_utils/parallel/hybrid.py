@@ -26,15 +26,16 @@ The gradients: the ``cp`` ranks hold the same weights and each computes a share 
 gradient (ring attention's backward sends each rank the gradients of its keys and values that
 the other ranks' queries produced), so their sum over ``cp`` is the whole sequence's gradient,
 as the sum over ``dp`` is the whole batch's. Both sums are one reduction, so FSDP2 shards the
-model over the ``dp x cp`` ranks flattened into one dimension (as torchtitan does): a
-reduce-scatter over ``dp x cp`` ranks, whose mean is the gradient of the global batch's mean
-loss (every rank holds as many tokens). Flattening uses ``DeviceMesh._flatten``, private: in
-torch 2.11 and 2.14 there is no public way to make one dimension of two, and FSDP2 with tensor
-parallelism needs both meshes cut from the same one. Sharding over ``dp`` alone and
-all-reducing over ``cp`` by hand would work too, with ``cp`` times the model state on each rank.
+model over the ``dp x cp`` ranks flattened into one dimension (as torchtitan does). Its
+reduce-scatter averages over those ranks, and since every rank holds as many tokens, the
+average of their gradients is the gradient of the global batch's mean loss. Flattening uses
+``DeviceMesh._flatten``, private: in torch 2.11 and 2.14 there is no public way to make one
+dimension of two, and FSDP2 with tensor parallelism needs both meshes cut from the same one.
+Sharding over ``dp`` alone and all-reducing over ``cp`` by hand would work too, with ``cp``
+times the model state on each rank.
 
 PyTorch's own ``context_parallel`` replaces the CUDA attention kernels (flash,
-memory-efficient, cuDNN) and does not run on CPU processes; the ring here runs on both.
+memory-efficient, cuDNN) and does not run on CPU processes; the hand-written ring does.
 """
 
 from __future__ import annotations
