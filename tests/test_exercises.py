@@ -7,7 +7,19 @@ import pytest
 import torch
 
 from tutorial_utils.parallel.tensor import tp_comm_over_compute
-from tutorial_utils.solutions import ch01, ch02, ch03, ch04, ch05, ch05b, ch05d, ch05e, ch06, ch07
+from tutorial_utils.solutions import (
+    ch01,
+    ch02,
+    ch03,
+    ch04,
+    ch05,
+    ch05b,
+    ch05d,
+    ch05e,
+    ch06,
+    ch07,
+    ch08,
+)
 from tutorial_utils.trainer import TrainConfig
 
 
@@ -169,3 +181,13 @@ def test_ch7_all_reduce_time_break_even_width_and_2d_state():
     dim = ch07.break_even_dim(8, flops_per_s=700e12, bus_gbps=400)
     assert tp_comm_over_compute(round(dim), 8, 700e12, 400) == pytest.approx(1, rel=1e-3)
     assert ch07.params_per_rank_2d(8e9, dp=4, tp=8) == 2.5e8
+
+
+def test_ch8_micro_batches_ring_memory_and_all_to_all_bytes():
+    # 7 / (m + 7) < 0.1 from m = 64 on: 7/70 is exactly 0.1, 7/71 below
+    assert ch08.micro_batches_for_bubble(8, 0.10) == 64
+    per_rank, whole = ch08.ring_bytes(131072, 32, 128, 8)
+    # 32 heads x 16,384 queries a rank: 4 tensors of 128 bf16 values and a float32 each
+    assert per_rank == 32 * 16384 * (4 * 128 * 2 + 4) and whole == 8 * per_rank
+    # 16,384 tokens x 2 experts each, 7/8 of them leave the rank, out and back, 8 KiB a row
+    assert ch08.all_to_all_bytes(16384, 4096, 2, 8) == 2 * 16384 * 2 * 7 / 8 * 4096 * 2

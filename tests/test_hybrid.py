@@ -74,6 +74,13 @@ def test_nonsense_meshes_end_in_one_line(shape, world, message):
         check_mesh(shape, world, SMALL, batch=8, micro_batches=2)
 
 
+def test_zbv_under_fsdp2_is_refused_in_one_line():
+    four = GPTConfig(seq=16, layers=4, heads=2, dim=32)  # ZB-V: 2 stages a process
+    with pytest.raises(ConfigError, match="ZB-V does not run with FSDP2 .dp x cp = 2."):
+        check_mesh(MeshShape(dp=2, pp=2), 4, four, batch=8, micro_batches=4, schedule="zbv")
+    check_mesh(MeshShape(pp=2, tp=2), 4, four, batch=8, micro_batches=4, schedule="zbv")
+
+
 def test_the_worker_refuses_a_ring_that_cannot_split_the_sequence_before_any_work():
     done = subprocess.run([sys.executable, "-m", "tutorial_utils.workers.hybrid_check", "--dp",
                            "1", "--cp", "4", "--pp", "2", "--tp", "1", "--seq", "12"],

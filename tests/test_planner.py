@@ -38,7 +38,7 @@ def test_activations_are_what_autograd_keeps():
     with saved_tensors(exclude=list(model.parameters())) as saved:
         lm_loss(model(x), x)
     measured = sum(saved["activations"].values())
-    predicted = P.memory(P.ModelShape.of(SMALL, batch=2), P.Layout(),
+    predicted = P.memory(P.ModelShape.of(SMALL, batch=2), P.Layout(micro_batch=2),
                          P.Recipe("adam", "fp32")).activations
     # left out: the positions' indices and the loss's own scalars, 4 bytes a token here
     assert predicted == pytest.approx(measured, rel=0.002)

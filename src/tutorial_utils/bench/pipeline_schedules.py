@@ -109,8 +109,9 @@ class PipelineSchedulesConfig(Config):
             check_gpus(max(self.stages), "--stages", "--device cpu (CPU processes)", fewest=2)
 
 
+STAND_IN = "CPU processes (gloo)"
 CPU_SIZE = {"dim": 64, "heads": 4, "layers": 8, "seq": 32, "micro_batch": 2,
-            "micro_batches": (4, 8, 16), "repeats": 5}
+            "micro_batches": (4, 8, 16), "repeats": 3}
 
 
 def run(cfg: PipelineSchedulesConfig, timeout_s: float = 1200) -> list[ScheduleRow]:
@@ -129,9 +130,54 @@ def run(cfg: PipelineSchedulesConfig, timeout_s: float = 1200) -> list[ScheduleR
     return rows
 
 
+def cpu_stages(cfg: PipelineSchedulesConfig, cores: int | None = None) -> tuple[int, ...]:
+    """The pipelines a CPU can time: a core per process, else a process idling in a bubble
+    lends its core to another and the bubble does not show as time (2 at least)."""
+    cores = cores or os.cpu_count() or 1
+    return tuple(p for p in cfg.stages if p <= max(2, cores)) or (2,)
+
+
+def cpu_config(cfg: PipelineSchedulesConfig) -> PipelineSchedulesConfig:
+    """The sweep of ``cfg`` made small for CPU processes, on as many as there are cores."""
+    return dataclasses.replace(cfg, device="cpu", stages=cpu_stages(cfg), **CPU_SIZE)
+
+
 def cpu_rows(cfg: PipelineSchedulesConfig) -> list[ScheduleRow]:
     """The same sweep, small, in CPU processes (gloo)."""
-    return run(dataclasses.replace(cfg, device="cpu", **CPU_SIZE))
+    return run(cpu_config(cfg))
+
+
+def measured_with(cfg: PipelineSchedulesConfig,
+                  source: records.Source) -> PipelineSchedulesConfig:
+    """The configuration the rows of :func:`measured` came from: the record's or this
+    machine's GPUs' (``cfg``), or the small one of the CPU processes that stood in."""
+    return cpu_config(cfg) if source.made.startswith(STAND_IN) else cfg
+
+
+def check_rows(nproc: int, device: str = "cpu") -> list[GPTPipelineRow]:
+    """Every schedule on ``nproc`` processes, its loss over two AdamW steps and its first
+    gradients against one process's, and the activations each process held."""
+    worker = GPTPipelineConfig(check=True, device=device)
+    return run_worker(WORKER, worker, nproc=nproc, timeout_s=600, row_type=GPTPipelineRow)
+
+
+def check_table(rows: list[GPTPipelineRow]) -> str:
+    """Per schedule: the largest differences from one process, and the micro-batches of
+    activations each process held at its peak, predicted and measured."""
+    def per_rank(values: list[float]) -> str:
+        return "  " + " ".join(f"{v:g}" for v in values)
+
+    lines = [{"schedule": r.schedule, "ranks": r.ranks, "m": r.micro_batches,
+              "loss_diff": r.loss_diff, "grad_diff": r.grad_diff,
+              "predicted": per_rank(r.in_flight_predicted), "measured": per_rank(r.in_flight)}
+             for r in rows]
+    width = max(len(line["measured"]) for line in lines) + 2
+    return table(lines, (
+        Column("schedule", "schedule", width=18, left=True), Column("ranks", "p", width=3),
+        Column("m", "m", width=3), Column("loss_diff", "loss diff", ".0e", 10),
+        Column("grad_diff", "grad diff", ".0e", 10),
+        Column("predicted", "  in flight, predicted", width=max(width, 23), left=True),
+        Column("measured", "  measured", width=width, left=True)))
 
 
 def measured(cfg: PipelineSchedulesConfig) -> tuple[list[ScheduleRow], records.Source]:
@@ -140,7 +186,7 @@ def measured(cfg: PipelineSchedulesConfig) -> tuple[list[ScheduleRow], records.S
     return records.measured(
         RECORD, lambda: run(dataclasses.replace(cfg, device="cuda")), gpus=max(cfg.stages),
         cfg=cfg, row_type=ScheduleRow, stand_in=lambda: cpu_rows(cfg),
-        stand_in_where="CPU processes (gloo)",
+        stand_in_where=STAND_IN,
         compare=records.Compare(("schedule", "ranks", "micro_batches"), "step_ms",
                                 "schedule p m: step ms"))
 

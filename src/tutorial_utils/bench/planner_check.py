@@ -85,3 +85,133 @@ def error_figure(rows: Sequence[planner.ErrorRow], title: str):
            ylabel="predicted step (ms)", title=title)
     fig.tight_layout()
     return fig
+
+
+def gpu_hardware() -> tuple[planner.Hardware, str]:
+    """An H100 SXM as this book measured it, and where each number comes from: its dense bf16
+    peak (NVIDIA's datasheet), the fraction of that peak chapter 7's GPT reached at its best
+    batch (its record) and the all-reduce bus bandwidth of chapter 4's record over NVLink."""
+    import dataclasses
+
+    from . import records
+    from .transformer import link_bus_gbps
+
+    steps = records.load("07-gpt-steps")
+    best = max((r["tflops"] for r in steps.rows if r.get("tflops")), default=None) \
+        if steps else None
+    bus, where = link_bus_gbps()
+    hw = dataclasses.replace(planner.H100, link=planner.Link(planner.H100.link.alpha_s, bus * 1e9),
+                             efficiency=best * 1e12 / planner.H100.peak_flops if best
+                             else planner.H100.efficiency)
+    said = (f"{hw.name}: {hw.memory_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s dense "
+            f"bf16 at {hw.efficiency:.0%}"
+            + (f" (chapter 7's GPT on {steps.hardware})" if best else " (assumed)")
+            + f";\n  links of {bus:.0f} GB/s bus bandwidth: {where}")
+    return hw, said
+
+
+PLAN_COLUMNS = (Column("layout", "layout", width=18, left=True),
+                Column("state_gib", "state GiB", ".1f", 10),
+                Column("activations_gib", "activ. GiB", ".1f", 11),
+                Column("memory_gib", "total GiB", ".1f", 10), Column("fits", "fits", width=5),
+                Column("compute_ms", "compute", ".0f", 8), Column("bubble_ms", "bubble", ".0f", 7),
+                Column("comm_ms", "comm.", ".0f", 6), Column("step_ms", "step ms", ".0f", 8))
+
+
+def plan_rows(plans: Sequence[planner.Plan]) -> list[dict]:
+    """One row per layout: memory on the most loaded GPU, and where the step's time goes."""
+    rows = []
+    for p in plans:
+        row, t = p.row(), p.time
+        row |= {"state_gib": row["params_gib"] + row["grads_gib"] + row["optimizer_gib"],
+                "fits": "yes" if p.fits else "no", "compute_ms": t.compute * 1e3,
+                "bubble_ms": t.bubble * 1e3, "comm_ms": (t.tp + t.pp + t.cp + t.dp) * 1e3}
+        rows.append(row)
+    return rows
+
+
+def plan_table(plans: Sequence[planner.Plan]) -> str:
+    return table(plan_rows(plans), PLAN_COLUMNS)
+
+
+def plan_figure(plans: Sequence[planner.Plan], hw: planner.Hardware, title: str):
+    """Every layout's predicted step time against its memory per GPU, the GPU's usable memory
+    as a line: the planner picks the lowest point left of the line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    chosen = planner.best(plans)
+    gib = 2**30
+    for fits, marker in ((True, "o"), (False, "x")):
+        mine = [p for p in plans if p.fits == fits]
+        ax.scatter([p.memory.total / gib for p in mine], [p.step_ms for p in mine], s=22,
+                   marker=marker, label="fits" if fits else "does not fit")
+    ax.axvline(hw.memory_bytes * hw.usable / gib, color="grey", lw=0.8, ls="--")
+    ax.annotate(str(chosen.layout), (chosen.memory.total / gib, chosen.step_ms),
+                textcoords="offset points", xytext=(8, -4), fontsize=8)
+    ax.set(xscale="log", yscale="log", xlabel="memory per GPU (GiB, most loaded stage)",
+           ylabel="predicted step (ms)", title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def cpu_machine(processes: int, cfg, sequences: int) -> tuple[planner.Hardware, str]:
+    """CPU processes standing in for ``processes`` GPUs, each number measured here: a float32
+    matrix product's rate on one thread, the fraction of it the GPT ``cfg`` reaches on one
+    process at ``sequences`` sequences, and gloo's all-reduce fitted as in chapter 3b."""
+    import os
+
+    from ..parallel.collectives import fit_alpha_beta
+    from .collectives import CollectivesConfig, run, sweep
+
+    rate = planner.matmul_flops()
+    efficiency = planner.fitted_efficiency(cfg, sequences, rate)
+    # all-reduce from 4 KiB to 16 MiB: large enough that the time grows with the bytes
+    times = sweep(run(CollectivesConfig(nproc=processes, device="cpu", max_mb=16, factor=4,
+                                        warmup=2, repeats=5)), "all_reduce")
+    fits = {"all_reduce": fit_alpha_beta([r.nbytes for r in times], [r.time_s for r in times])}
+    link = cpu_link(fits, processes)
+    cores = os.cpu_count() or 1
+    hw = planner.cpu_hardware(rate, link, processes, cores, efficiency)
+    said = (f"{hw.name}: {rate / 1e9:.1f} GFLOP/s per thread at {efficiency:.0%} (fitted on "
+            f"one process);\n  gloo's all-reduce: {link.alpha_s * 1e6:.0f} us + bytes / "
+            f"{link.bus_bytes_per_s / 1e9:.2f} GB/s of bus bandwidth")
+    return hw, said
+
+
+# The composed meshes of chapter 8 on 8 processes, (dp, pp, cp, tp): 3-D without context,
+# 4-D with it (every dimension but dp splits something).
+MESHES = ((2, 2, 1, 2), (1, 2, 2, 2))
+
+
+def hybrid_rows(device: str = "cpu", meshes=MESHES, repeats: int = 2):
+    """:mod:`tutorial_utils.workers.hybrid_check` on each mesh (8 processes for the default
+    ones): the configurations and their rows, the step timed ``repeats`` times."""
+    from ..launch import run_worker
+    from ..workers.hybrid_check import HybridConfig, HybridRow
+
+    configs = [HybridConfig(dp=dp, pp=pp, cp=cp, tp=tp, repeats=repeats, device=device)
+               for dp, pp, cp, tp in meshes]
+    rows = [run_worker("tutorial_utils.workers.hybrid_check", c, nproc=c.shape.size,
+                       timeout_s=600, row_type=HybridRow)[0] for c in configs]
+    return configs, rows
+
+
+def hybrid_table(configs: Sequence, rows: Sequence) -> str:
+    """Per mesh: the largest differences from one process over its steps, and the range of
+    parameter values and bytes (weights, gradients, AdamW's moments) a rank holds."""
+    def span(values) -> str:
+        return f"{min(values):,}-{max(values):,}" if min(values) != max(values) \
+            else f"{values[0]:,}"
+
+    lines = [{"mesh": " x ".join(f"{k}{v}" for k, v in r.mesh.items()), "steps": r.steps,
+              "loss_diff": r.loss_diff, "grad_diff": r.grad_diff,
+              "params": span(r.params_per_rank),
+              "bytes": span([p + g + o for p, g, o in zip(r.param_bytes, r.grad_bytes,
+                                                          r.optimizer_bytes, strict=True)])}
+             for r in rows]
+    return table(lines, (
+        Column("mesh", "mesh", width=22, left=True), Column("steps", "steps", width=6),
+        Column("loss_diff", "loss diff", ".0e", 10), Column("grad_diff", "grad diff", ".0e", 10),
+        Column("params", "params per rank", width=17), Column("bytes", "bytes per rank", width=17)))

@@ -92,6 +92,11 @@ def check_mesh(shape: MeshShape, world: int, cfg: GPTConfig, batch: int, micro_b
          f"zig-zag split needs a multiple of 2 x cp = {2 * shape.cp}"),
         (batch % shape.dp == 0, f"a batch of {batch} sequences does not split over "
                                 f"dp={shape.dp} groups"),
+        # ZB-V defers each stage's weight gradients to its own actions, which FSDP2's hooks
+        # do not follow: the last stage's block gradients come back empty
+        (schedule != "zbv" or shape.pp == 1 or shape.dp * shape.cp == 1,
+         f"ZB-V does not run with FSDP2 (dp x cp = {shape.dp * shape.cp}) in this composition: "
+         "use the 1f1b or interleaved-1f1b schedule"),
     ]
     for ok, message in rules:
         if not ok:

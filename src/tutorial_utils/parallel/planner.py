@@ -141,17 +141,19 @@ class Hardware:
     usable: float = 0.9  # of the memory: the rest for the allocator, workspaces, the CUDA context
 
 
-# NVIDIA's datasheets: H100 SXM 80 GB and H200 141 GB, 989 dense bf16 TFLOP/s each. The link:
-# 360 GB/s of all-reduce bus bandwidth measured between the workplace's H100s over NVLink
-# (1 GiB messages), 20 us of latency (an assumption: NCCL's small-message time on NVLink).
-H100 = Hardware("H100 SXM", 80e9, 989e12, Link(20e-6, 360e9))
-H200 = Hardware("H200", 141e9, 989e12, Link(20e-6, 360e9))
+# NVIDIA's datasheets: H100 SXM 80 GB and H200 141 GB, 1,979 bf16 TFLOP/s with sparsity each,
+# 989.5 dense. The link: 268 GB/s of all-reduce bus bandwidth, what chapter 4's record measured
+# between two H200s over NVLink (2026-11-30), and 20 us of latency, an assumption (NCCL's
+# small-message time on NVLink is of that order). Chapter 8 builds its GPU from the records.
+H100 = Hardware("H100 SXM", 80e9, 989.5e12, Link(20e-6, 268e9))
+H200 = Hardware("H200", 141e9, 989.5e12, Link(20e-6, 268e9))
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How N GPUs split the work: ``micro_batch`` sequences per micro-batch of a pipeline
-    (without one, pp = 1, each dp group runs its share of the batch at once)."""
+    """How N GPUs split the work: each GPU runs ``micro_batch`` sequences at a time, its dp
+    group's share of the batch as micro-batches: a pipeline's, or without one (pp = 1)
+    gradient accumulation, the gradients reduced once per step."""
 
     dp: int = 1
     tp: int = 1
@@ -166,13 +168,12 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
     def sequences(self, model: ModelShape) -> int:
-        """Sequences a GPU runs at once: a micro-batch in a pipeline, else its dp group's."""
-        return self.micro_batch if self.pp > 1 else model.batch // self.dp
+        """Sequences a GPU runs at once: one micro-batch."""
+        return self.micro_batch
 
     def micro_batches(self, model: ModelShape) -> int:
-        """Micro-batches per dp group and step (1 without a pipeline: no accumulation)."""
-        per_group = model.batch // self.dp
-        return max(1, per_group // self.micro_batch) if self.pp > 1 else 1
+        """Micro-batches per dp group and step."""
+        return max(1, (model.batch // self.dp) // self.micro_batch)
 
     def __str__(self) -> str:
         return f"dp{self.dp} tp{self.tp} pp{self.pp} cp{self.cp}"
@@ -331,7 +332,7 @@ def step_time(model: ModelShape, layout: Layout, hw: Hardware,
         f = bubble_fraction(layout.schedule, layout.pp, m)
         bubble = compute * f / (1 - f)
     tokens = layout.sequences(model) * model.seq / layout.cp  # one micro-batch on one GPU
-    n_mb = m if layout.pp > 1 else 1
+    n_mb = m
     blocks = stage_blocks(model, layout)
     tp_link, pp_link = _link(hw, layout, "tp"), _link(hw, layout, "pp")
     cp_link, dp_link = _link(hw, layout, "cp"), _link(hw, layout, "dp")
