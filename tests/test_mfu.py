@@ -92,6 +92,10 @@ def test_the_gpt_flops_per_step_are_6_per_parameter_and_token_plus_attention():
     assert mfu.gpt_step_flops(cfg, 3) == flops_per_token(cfg, n) * 3 * 32
     assert mfu.gpt_step_flops(cfg, 6, n) == 2 * mfu.gpt_step_flops(cfg, 3)
     assert flops_per_token(cfg, n) == 6 * n + 12 * 2 * 32 * 32
+    # with experts a token uses top_k of each block's expert MLPs, and the router: top_k=1 is
+    # the dense model's parameters plus the routers'
+    moe = GPTConfig(seq=32, layers=2, heads=2, dim=32, experts=4, top_k=1)
+    assert mfu.gpt_step_flops(moe, 3) == flops_per_token(moe, n + 2 * 32 * 4) * 3 * 32
 
 
 def table_rows(text: str) -> list[str]:

@@ -146,19 +146,24 @@ def wrn_step_flops(model: str, batch: int) -> float:
 
 @functools.lru_cache(maxsize=16)
 def _gpt_params(cfg) -> int:
+    """The parameters one token uses: all of a dense GPT's; with experts, each block's router
+    and ``top_k`` of its ``experts`` identical expert MLPs (what ``flops_per_token`` asks)."""
     import torch
 
     from ..models.gpt import GPT
 
     with torch.device("meta"):
-        return sum(p.numel() for p in GPT(cfg).parameters())
+        named = GPT(cfg).named_parameters()
+        share = cfg.top_k / cfg.experts if cfg.experts else 1.0
+        return round(sum(p.numel() * (share if ".experts." in n else 1) for n, p in named))
 
 
 def gpt_step_flops(cfg, batch: int, n_params: int | None = None) -> float:
     """Model FLOPs of one training step of the GPT of ``cfg`` (a ``GPTConfig``) on ``batch``
     sequences of ``cfg.seq`` tokens: 6 per parameter and token plus the attention scores
     (``flops_per_token``, the PaLM paper's count). ``n_params``: counted on the meta device if
-    not given. Recomputation under activation checkpointing is not counted: model FLOPs."""
+    not given (with experts, only those a token uses). Recomputation under activation
+    checkpointing is not counted: model FLOPs."""
     from ..models.gpt import flops_per_token
 
     n = _gpt_params(cfg) if n_params is None else n_params
