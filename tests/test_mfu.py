@@ -184,3 +184,18 @@ def test_the_peaks_table_names_the_records_made_on_each_gpu():
     h200 = next(line for line in text.splitlines() if line.startswith("| H200 SXM"))
     assert "`04-data-parallel`" in h200 and "989.5" in h200
     assert len(text.splitlines()) == 2 + len(mfu.PEAKS)
+
+
+def test_chapter_8s_context_parallel_table_divides_causal_attention_by_every_rank():
+    from tutorial_utils.bench import context
+    from tutorial_utils.bench.workers.cp_step import CPStepRow
+
+    step = context.ContextConfig(gpus=2, seqs=(8192,), batch=1, heads=16, head_dim=128)
+    flops = mfu.causal_attention_flops(1, 16, 8192, 128)
+    assert flops == 6 * 16 * 8192**2 * 128  # forward 2 b h s^2 d under the mask, backward twice
+    rows = [CPStepRow("one-process", 1, 8192, step_ms=10.0), CPStepRow("ring", 2, 8192, 10.0)]
+    text = context.step_table(rows, step, H200)
+    one, two = flops / 0.01 / 989.5e12, flops / 0.01 / 2 / 989.5e12
+    assert f"{one:.1%}" in text and f"{two:.1%}" in text
+    assert max(map(len, text.splitlines())) <= 100
+    assert "not measured on a GPU" in context.step_table(rows, step, None)  # CPU processes

@@ -13,7 +13,8 @@ TF32 rungs, whose MFU is against the same peak: what share of the GPU's best the
 - :func:`wrn_step_flops` counts a Wide-ResNet's step with ``FlopCounterMode`` on the meta
   device (shapes alone: no memory, no arithmetic, any machine);
 - :func:`gpt_step_flops`: the GPT's, 6 FLOPs per parameter and token plus the attention
-  scores (:func:`tutorial_utils.models.gpt.flops_per_token`);
+  scores (:func:`tutorial_utils.models.gpt.flops_per_token`); :func:`causal_attention_flops`:
+  causal attention's alone (chapter 8's context parallelism);
 - :data:`PEAKS` maps the names ``torch.cuda.get_device_name`` reports to each peak, and
   :func:`mfu` divides. A GPU not in the table, or rows measured on CPU processes, have no MFU
   (None; the tables print "-").
@@ -168,6 +169,15 @@ def gpt_step_flops(cfg, batch: int, n_params: int | None = None) -> float:
 
     n = _gpt_params(cfg) if n_params is None else n_params
     return flops_per_token(cfg, n) * batch * cfg.seq
+
+
+def causal_attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> float:
+    """Model FLOPs of causal attention's forward and backward on ``batch`` sequences of ``seq``
+    tokens: the scores ``Q K^T`` and their weighted sum of ``V``, 2 FLOPs per multiply-add over
+    the half of the ``seq`` x ``seq`` pairs the mask keeps, ``2 * batch * heads * seq**2 *
+    head_dim`` in forward, and twice that in backward (four products). A fused kernel that
+    recomputes the scores in backward does more; that is not counted."""
+    return 6.0 * batch * heads * seq**2 * head_dim
 
 
 def percent(share: float | None) -> float:
