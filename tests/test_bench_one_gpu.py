@@ -5,7 +5,6 @@ from tutorial_utils.bench.one_gpu import (
     host_to_device_gbps,
     ladder_table,
     measure_ladder,
-    step_tflop,
 )
 from tutorial_utils.bench.workload import LADDER, Workload, make_train_step
 from tutorial_utils.timing import tf32_enabled
@@ -43,18 +42,6 @@ def test_cuda_graph_rung_is_gpu_only_and_says_why():
     assert graphs.compile_mode == "reduce-overhead"
     (result,) = measure_ladder(TINY, CPU, rungs=(graphs,))
     assert result.ms is None and "CUDA graphs" in result.skipped
-
-
-def test_flop_count_scales_with_batch_and_is_what_a_real_step_runs():
-    from torch.utils.flop_counter import FlopCounterMode
-
-    one = step_tflop(Workload("wrn-10-1", 1, 0, 1))
-    four = step_tflop(Workload("wrn-10-1", 4, 0, 1))
-    assert one > 0 and abs(four / one - 4) < 0.01
-    step = make_train_step(LADDER[0], Workload("wrn-10-1", 4, 0, 1), CPU)
-    with FlopCounterMode(display=False) as counter:
-        step()
-    assert counter.get_total_flops() / 1e12 == four, "the meta count is the real step's"
 
 
 def test_copy_bandwidth_is_skipped_without_gpu():

@@ -58,5 +58,8 @@ def test_cuda_graphs_under_ddp_compile_the_network_as_one_graph():
 def test_table_columns_line_up_with_long_names():
     rows = [Row("1 GPU", 1, 10.0, 100.0, 1.0),
             Row("DDP, CUDA graphs, no_sync (compute only)", 2, 6.0, 333.0, 1.67)]
-    head, *lines = table_of(rows).splitlines()
+    text = table_of(rows, "wrn-10-1")
+    head, *lines = text.splitlines()[:3]
     assert len({len(head), *map(len, lines)}) == 1
+    # no GPU named: no MFU; the note under the table says so, and what a step computes
+    assert "MFU: none" in text and "WRN-10-1" in text and lines[0].split()[-2] == "-"

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from tutorial_utils.bench import sharding
+from tutorial_utils.bench import mfu, sharding
 from tutorial_utils.bench.workers import common, fsdp_step
 from tutorial_utils.config import ConfigError
 from tutorial_utils.jsonl import read_jsonl
@@ -89,19 +89,25 @@ def test_one_process_forms_a_group_of_one_so_that_fsdp2_wraps_the_model():
 def row(mode, variant, step_ms, host_ms, batch=128):
     return fsdp_step.FsdpRow(mode, variant, step_ms=step_ms, host_ms=host_ms,
                              per_gpu_batch=batch, world_size=1, losses=[2.0, 1.9], params=4e6,
-                             grads=4e6, optimizer=4e6, images_per_s=batch / step_ms * 1e3)
+                             grads=4e6, optimizer=4e6, images_per_s=batch / step_ms * 1e3,
+                             model="wrn-10-1", device="cuda:0")
 
 
 def test_the_sharding_table_marks_each_modes_best_and_the_host_bound_rows():
     rows = [row("ddp", "eager", 14.0, 13.5), row("ddp", "graph", 11.0, 0.2),
             row("zero3", "eager", 18.0, 17.9), row("zero3", "blocks", 16.0, 12.0),
             row("ddp", "eager", 50.0, 20.0, batch=512), row("zero3", "eager", 52.0, 30.0, 512)]
-    lines = sharding.time_table(rows, 128).splitlines()[1:]
+    text = sharding.time_table(rows, 128, "NVIDIA H200")
+    lines = text.splitlines()[1:5]  # the note follows the rows
     marks = {tuple(line.split()[:2]): line.split("  ")[-1].strip() for line in lines}
+    # each row's MFU: the model FLOPs of its step over its time, on one H200
+    share = mfu.wrn_step_flops("wrn-10-1", 128) / 11e-3 / 989.5e12
+    assert f" {share:.1%} " in lines[1] and "989.5 TFLOP/s" in text
     assert marks == {("ddp", "eager"): "host-bound", ("ddp", "graph"): "best",
                      ("zero3", "eager"): "host-bound", ("zero3", "blocks"): "best"}
-    out = sharding.summary(rows)
+    out = sharding.summary(rows, "NVIDIA H200")
     assert out["best_ddp_128_name"] == "graph" and out["best_fsdp_128_name"] == "zero3, blocks"
+    assert out["best_ddp_128_mfu"] == pytest.approx(100 * share)
     assert out["fsdp_over_ddp_128"] == pytest.approx(16 / 11)
     assert out["fsdp_over_ddp_512"] == pytest.approx(52 / 50)
     assert out["host_ddp_512"] == pytest.approx(20 / 50)

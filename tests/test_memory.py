@@ -105,13 +105,16 @@ def test_fit_line_and_summary():
 
 
 def test_tables_and_figures_draw():
-    curve = [Breakdown("wrn-x", b, 100, 100, 100, 10, 1000 * b) for b in (2, 4)]
+    curve = [Breakdown("wrn-10-1", b, 100, 100, 100, 10, 1000 * b) for b in (2, 4)]
     assert "peak/sum" in bm.curve_table(curve)
     bm.plot_curve(curve, "t")
     rows = [bm.CheckpointRow(s, 1.0 + s, b) for s, b in zip((0, 1), curve, strict=True)]
     assert "checkpoint every 1" in bm.checkpoint_table(rows)
     bm.plot_checkpointing(rows, "t")
     assert bm.checkpoint_summary(rows, names=("plain", "block"))["ck_block_slower_pct"] == 100
+    # MFU counts each row's model FLOPs once: twice the images in twice the time, the same MFU
+    out = bm.checkpoint_summary(rows, names=("plain", "block"), gpu="NVIDIA H200")
+    assert out["ck_plain_mfu"] == pytest.approx(out["ck_block_mfu"]) and out["ck_plain_mfu"] > 0
     assert "ZeRO-3" in bm.zero_text(1000)
 
 

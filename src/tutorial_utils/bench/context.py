@@ -22,7 +22,7 @@ from ..config import Config, check, check_gpus, opt, parse_or_exit
 from ..launch import run_worker
 from ..parallel.context import check_split
 from ..workers.cp_check import CPCheckConfig, CPRow
-from . import records
+from . import mfu, records
 from .report import Column, table
 from .workers.cp_step import CPStepConfig, CPStepRow
 
@@ -81,14 +81,25 @@ def measured(cfg: ContextConfig) -> tuple[list[CPStepRow], records.Source]:
         stand_in=lambda: step_rows(cfg, cpu_stand_in(cfg)))
 
 
-def step_table(rows: list[CPStepRow]) -> str:
-    return table([dataclasses.asdict(r) | {"note": "  out of memory" if r.oom else ""}
-                  for r in rows], (
+def step_table(rows: list[CPStepRow], step: ContextConfig | CPStepConfig | None = None,
+               gpu: str | None = None) -> str:
+    """Per mode and sequence length: the step, memory, and with ``step`` (the run's sizes) the
+    MFU of causal attention's model FLOPs on the ``world`` GPUs named ``gpu`` (None: CPU
+    processes, "-"); then what MFU divides by."""
+    out = [dataclasses.asdict(r) | {"note": "  out of memory" if r.oom else "", "mfu": (
+        mfu.mfu(mfu.causal_attention_flops(step.batch, step.heads, r.seq, step.head_dim),
+                r.step_ms, gpu, r.world) if step else None)} for r in rows]
+    lines = table(out, (
         Column("mode", "mode", width=18, left=True), Column("world", "ranks", width=6),
-        Column("seq", "seq", width=8), Column("step_ms", "fwd+bwd ms", ".2f", 12),
+        Column("seq", "seq", width=8), Column("step_ms", "fwd+bwd ms", ".2f", 12), mfu.COLUMN,
         Column("peak_mib", "peak MiB", ".1f", 10), Column("saved_mib", "kept MiB", ".2f", 10),
         Column("predicted_mib", "predicted", ".2f", 11), Column("note", "", width=16,
                                                               left=True)))
+    if step is None:
+        return lines
+    return lines + "\n" + mfu.note(gpu, f"causal attention, batch {step.batch}, {step.heads} heads "
+                                   f"of {step.head_dim}: 6 x batch x heads x seq^2 x head_dim "
+                                   "FLOPs, forward + backward, over all ranks")
 
 
 def check_rows(nproc: int, cfg: CPCheckConfig | None = None) -> list[CPRow]:
@@ -139,8 +150,9 @@ def _machine(cfg: ContextConfig) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(ContextConfig, argv, __spec__.name, machine=_machine)
-    rows = step_rows(cfg, cpu_stand_in(cfg) if cfg.device == "cpu" else cfg.step("cuda"))
-    print(step_table(rows))
+    step = cpu_stand_in(cfg) if cfg.device == "cpu" else cfg.step("cuda")
+    rows = step_rows(cfg, step)
+    print(step_table(rows, step, mfu.this_gpu() if step.device == "cuda" else None))
     if cfg.record:
         path = records.write(RECORD, cfg, rows, __spec__.name, [STEP_WORKER], gpus=cfg.gpus,
                              what=WHAT)

@@ -19,7 +19,7 @@ import torch
 from ..config import check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count
 from ..parallel.collectives import ring_all_reduce_seconds
-from . import records, workload
+from . import mfu, records, workload
 from .ddp_timing import STEP_TIMING, ddp_step, time_ddp
 from .report import Column, legend_outside, table
 from .workers.step_timing import StepTiming
@@ -127,8 +127,10 @@ def ddp_model(rec: StepTiming, mode: str, best: float, eager: StepTiming) -> Ddp
                   measured_speedup=n * best / rec.ddp_ms)
 
 
-def summary(rows: list[Row], ddp: DdpRow, size: Workload) -> dict[str, float | str]:
-    """Flat summary for chapter 4's prose (NaN where a run was skipped)."""
+def summary(rows: list[Row], ddp: DdpRow, size: Workload,
+            gpu: str | None = None) -> dict[str, float | str]:
+    """Flat summary for chapter 4's prose (NaN where a run was skipped); with ``gpu``, the GPU
+    that measured, the MFU (%) of the best single GPU and of the fastest DDP run."""
     nan = float("nan")
     by_name = {r.name: r for r in rows}
     best = min((r for r in rows if r.gpus == 1), key=lambda r: r.step_ms)
@@ -147,18 +149,34 @@ def summary(rows: list[Row], ddp: DdpRow, size: Workload) -> dict[str, float | s
         "pred_hi": ddp.predicted_speedup_full_overlap,
         "exposed_ms": ddp.ddp_ms - ddp.no_sync_ms,
         "eager_ddp_ms": ddp.eager_ddp_ms, "eager_nosync_ms": ddp.eager_no_sync_ms,
-        "eager_ddp_x": n * best.step_ms / ddp.eager_ddp_ms}
+        "eager_ddp_x": n * best.step_ms / ddp.eager_ddp_ms,
+        "best_single_mfu": mfu.percent(row_mfu(best, size.model, gpu)),
+        "mfu_gpu": mfu.short_name(gpu),
+        "ddp_mfu": mfu.percent(mfu.mfu(mfu.wrn_step_flops(size.model, ddp.per_gpu_batch * n),
+                                    ddp.ddp_ms, gpu, n))}
 
 
 COLUMNS = (Column("name", "run", width=42, left=True), Column("gpus", "GPUs", "d", 5),
            Column("step_ms", "step (ms)", ".2f", 11), Column("images_per_s", "images/s", ".0f"),
-           Column("speedup", "vs best 1-GPU", ".2f", 15, unit="x"),
+           mfu.COLUMN, Column("speedup", "vs best 1-GPU", ".2f", 15, unit="x"),
            Column("note", "", width=2, left=True, missing=""))
 
 
-def table_of(rows: list[Row]) -> str:
-    return table([dataclasses.asdict(r) | {"note": f"  {r.note}" if r.note else ""}
-                  for r in rows], COLUMNS)
+def row_mfu(r: Row, model: str, gpu: str | None) -> float | None:
+    """The MFU of a row's step (its images/s on its GPUs), or None (no GPU, not measured)."""
+    if r.images_per_s is None or r.name.startswith("CPU"):
+        return None
+    return mfu.of_rate(r.images_per_s * mfu.wrn_step_flops(model, 1), gpu, r.gpus)
+
+
+def table_of(rows: list[Row], model: str = "wrn-28-10", gpu: str | None = None) -> str:
+    """One line per run; with ``gpu``, the GPU that measured, each run's MFU (``model``: the
+    network the rows timed), and a line that says what MFU divides by."""
+    lines = table([dataclasses.asdict(r) | {"note": f"  {r.note}" if r.note else "",
+                                            "mfu": row_mfu(r, model, gpu)} for r in rows],
+                  COLUMNS)
+    batches = [round(r.images_per_s * r.step_ms / 1e3 / r.gpus) for r in rows if r.step_ms][:1]
+    return lines + "\n" + mfu.note(gpu, mfu.wrn_flops_text(model, batches))
 
 
 def rows_of(rows: list[Row], ddp: DdpRow) -> list[dict]:
@@ -210,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(DataParallelConfig, argv, __spec__.name,
                         DataParallelConfig.check_machine)
     rows, ddp = run(cfg)
-    print(table_of(rows))
+    print(table_of(rows, cfg.model, mfu.this_gpu()))
     print(f"\nall-reduce of {ddp.grad_bytes / 1e6:.0f} MB at {ddp.bus_gbps:.0f} GB/s bus "
           f"bandwidth: {ddp.allreduce_ms:.2f} ms; DDP speed-up predicted "
           f"{ddp.predicted_speedup_no_overlap:.2f}x (no overlap) to "

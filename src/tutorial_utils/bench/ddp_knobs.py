@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ..config import Config, check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count
 from ..launch import run_worker
-from . import records
+from . import mfu, records
 from .report import Column, table
 from .workers.ddp_knobs import KnobsRow, KnobsStepConfig
 
@@ -101,7 +101,7 @@ WHAT_COLUMNS = (Column("setting", "setting", width=30, left=True),
                 Column("in_graphs", "graphs compiled", width=24, left=True, missing=""))
 COST_COLUMNS = (Column("setting", "setting", width=30, left=True),
                 Column("step_ms", "step ms", ".2f", 9), Column("host_ms", "host ms", ".2f", 9),
-                Column("exposed_ms", "comm alone ms", ".2f", 14),
+                Column("exposed_ms", "comm alone ms", ".2f", 14), mfu.COLUMN,
                 Column("peak_gib", "peak GiB", ".2f", 9),
                 Column("vs", "vs defaults", ".2f", 12, unit="x"))
 
@@ -112,10 +112,23 @@ def what_table(rows: list[KnobsRow]) -> str:
     return table([_view(r, rows[0]) for r in rows], WHAT_COLUMNS)
 
 
-def cost_table(rows: list[KnobsRow]) -> str:
-    """Per setting: step and host times, communication with no compute beside it, peak memory,
-    and the defaults' step time over this one's (above 1: faster)."""
-    return table([_view(r, rows[0]) for r in rows], COST_COLUMNS)
+def row_mfu(r: KnobsRow, gpu: str | None) -> float | None:
+    """The MFU of a setting's step on its ``world_size`` GPUs named ``gpu`` (None on CPUs)."""
+    if not r.device.startswith("cuda") or not r.images_per_s:
+        return None
+    return mfu.of_rate(r.images_per_s * mfu.wrn_step_flops(r.model, 1), gpu, r.world_size)
+
+
+def cost_table(rows: list[KnobsRow], gpu: str | None = None) -> str:
+    """Per setting: step and host times, communication with no compute beside it, MFU on the
+    GPUs named ``gpu``, peak memory, and the defaults' step time over this one's (above 1:
+    faster); then what MFU divides by."""
+    lines = table([_view(r, rows[0]) | {"mfu": row_mfu(r, gpu)} for r in rows], COST_COLUMNS)
+    if not rows[0].model:
+        return lines
+    on_gpu = gpu if rows[0].device.startswith("cuda") else None
+    return lines + "\n" + mfu.note(on_gpu, mfu.wrn_flops_text(rows[0].model,
+                                                               [rows[0].per_gpu_batch]))
 
 
 def key(setting: str) -> str:
@@ -129,10 +142,11 @@ def _or_nan(value) -> float:
     return math.nan if value is None else value
 
 
-def summary(rows: list[KnobsRow]) -> dict[str, float | str]:
-    """The chapter's glue: per setting its step time, its speed-up over the defaults, its
-    collectives; the fastest bucket size; the memory the bucket view saved; the graphs. A
-    setting that could not run has NaN numbers and its error as ``<key>_failed``."""
+def summary(rows: list[KnobsRow], gpu: str | None = None) -> dict[str, float | str]:
+    """The chapter's glue: per setting its step time, its speed-up over the defaults, its MFU
+    (%, on the GPUs named ``gpu``), its collectives; the fastest bucket size; the memory the
+    bucket view saved; the graphs. A setting that could not run has NaN numbers and its error
+    as ``<key>_failed``."""
     defaults, n = rows[0], _or_nan
     out: dict[str, float | str] = {"world_size": defaults.world_size,
                                    "grad_mib": n(defaults.grad_mib)}
@@ -140,7 +154,8 @@ def summary(rows: list[KnobsRow]) -> dict[str, float | str]:
         k = key(r.setting)
         out |= {f"{k}_ms": n(r.step_ms), f"{k}_x": defaults.step_ms / n(r.step_ms),
                 f"{k}_reduces": n(r.all_reduces), f"{k}_bcasts": n(r.broadcasts),
-                f"{k}_peak": n(r.peak_gib), f"{k}_failed": r.failed or ""}
+                f"{k}_peak": n(r.peak_gib), f"{k}_failed": r.failed or "",
+                f"{k}_mfu": mfu.percent(row_mfu(r, gpu))}
         if r.compiled:
             out |= {f"{k}_graphs": n(r.graphs), f"{k}_in_graphs": n(r.all_reduces_in_graphs)}
     sweep = [r for r in rows if r.setting.startswith("bucket_cap_mb=")]
@@ -163,7 +178,7 @@ def _gpus_for_a_record(cfg: KnobsConfig) -> None:
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(KnobsConfig, argv, __spec__.name, _gpus_for_a_record)
     rows = run(cfg)
-    print(what_table(rows), cost_table(rows), sep="\n\n")
+    print(what_table(rows), cost_table(rows, mfu.this_gpu()), sep="\n\n")
     if cfg.record:
         path = records.write(record_name(cfg.nproc), cfg, rows, __spec__.name, [WORKER],
                              gpus=cfg.nproc, what=what(cfg.nproc))

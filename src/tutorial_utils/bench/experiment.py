@@ -24,7 +24,7 @@ from ..jsonl import read_jsonl
 from ..launch import torchrun
 from ..profiles import pick
 from ..trainer import REFERENCE_BATCH, TrainConfig, saved_train_config
-from . import records
+from . import mfu, records
 from .report import Column, legend_outside, table
 
 
@@ -186,7 +186,8 @@ def targets_table(runs: list[TrainingRun], targets: tuple[float, ...]) -> tuple[
 def batchnorm_table(runs: list[TrainingRun]) -> tuple[str, dict]:
     """Runs that differ in how many images each BatchNorm statistic sees (``--ghost-bn``): for
     each group size, the whole batch first, as on how many GPUs, the mean and lowest final
-    accuracy of its seeds and the epoch time; a text table and a flat summary (``bn_<G>_acc``,
+    accuracy of its seeds, the epoch time and its MFU (the seeds' mean, "-" where a run has
+    none); a text table and a flat summary (``bn_<G>_acc``,
     ``_lowest``, ``_drop``, ``_epoch_s``; ``bn_whole``, ``bn_smallest``, ``bn_seeds``...)."""
     groups: dict[int, list[TrainingRun]] = {}
     for r in runs:  # the images one process normalises at once: its micro-batch, or a group
@@ -205,7 +206,8 @@ def batchnorm_table(runs: list[TrainingRun]) -> tuple[str, dict]:
         acc = statistics.mean(r.final_acc for r in seeds)
         row = {"images": images, "gpus": whole // images, "seeds": len(seeds), "acc": acc,
                "lowest": min(r.final_acc for r in seeds), "drop": (whole_acc - acc) * 100,
-               "epoch_s": statistics.mean(r.steady_epoch_s for r in seeds)}
+               "epoch_s": statistics.mean(r.steady_epoch_s for r in seeds),
+               "mfu": _mean_or_none([run_mfu(r) for r in seeds])}
         rows.append(row)
         summary |= {f"bn_{images}_acc": acc * 100, f"bn_{images}_lowest": row["lowest"] * 100,
                     f"bn_{images}_drop": row["drop"], f"bn_{images}_epoch_s": row["epoch_s"]}
@@ -215,14 +217,31 @@ def batchnorm_table(runs: list[TrainingRun]) -> tuple[str, dict]:
     cols = (Column("images", "BN over", "d", 8), Column("gpus", "as on GPUs", "d", 11),
             Column("seeds", "seeds", "d", 6), Column("acc", "mean acc", ".2%", 10),
             Column("lowest", "lowest", ".2%", 9), Column("drop", "drop", ".2f", 10, unit=" pt"),
-            Column("epoch_s", "epoch s", ".2f", 9))
+            Column("epoch_s", "epoch s", ".2f", 9), mfu.COLUMN)
     return table(rows, cols), summary
+
+
+def _mean_or_none(values: list[float | None]) -> float | None:
+    return None if not values or None in values else statistics.mean(values)
 
 
 COLUMNS = (Column("label", "run", width=32, left=True), Column("batch", "batch/proc", "d", 11),
            Column("first", "epoch 1 s", ".2f"), Column("later", "later s", ".2f", 9),
-           Column("train", "train s", ".1f", 9), Column("speedup", "speed-up", ".2f", 10),
-           Column("acc", "test acc", ".2%"))
+           mfu.COLUMN, Column("train", "train s", ".1f", 9),
+           Column("speedup", "speed-up", ".2f", 10), Column("acc", "test acc", ".2%"))
+
+
+def run_mfu(run: TrainingRun) -> float | None:
+    """MFU of a run's later epochs: their median images/s times the network's model FLOPs per
+    image, over the dense bf16 peak of the GPUs its own start record names, one per process.
+    None for CPU processes or a GPU without a known peak."""
+    cfg = run.start["config"]
+    later = [e.get("images_per_s") for e in run.epochs[1:]] or [run.epochs[0].get("images_per_s")]
+    if cfg.get("device") == "cpu" or None in later:
+        return None
+    per_image = mfu.wrn_step_flops(f"wrn-{cfg['depth']}-{cfg['width']}", 1)
+    return mfu.of_rate(statistics.median(later) * per_image, mfu.gpu_of(run.start.get("stamp")),
+                       run.processes)
 
 
 def scaling_summary(runs: list[TrainingRun]) -> dict[str, float | int | str]:
@@ -239,16 +258,24 @@ def scaling_summary(runs: list[TrainingRun]) -> dict[str, float | int | str]:
             "steady_x_max": one.steady_epoch_s / top.steady_epoch_s if top else nan,
             "acc_max": top.final_acc * 100 if top else nan,
             "x_2": one.train_s / multi[0].train_s if multi else nan,
-            "acc_spread": (max(accs) - min(accs)) * 100}
+            "acc_spread": (max(accs) - min(accs)) * 100, "mfu_1": mfu.percent(run_mfu(one)),
+            "mfu_gpu": mfu.short_name(mfu.gpu_of(one.start.get("stamp"))),
+            "mfu_max": mfu.percent(run_mfu(top)) if top else nan}
 
 
 def runs_table(runs: list[TrainingRun], reference: TrainingRun) -> str:
-    """One line per run: batch, epoch times, training time, speed-up over ``reference``."""
+    """One line per run: batch, epoch times, the later epochs' MFU, training time, speed-up
+    over ``reference``; then what MFU divides by (each run's GPU, from its start record)."""
     rows = [{"label": r.label, "batch": r.start["per_gpu_batch"],
              "first": r.epochs[0]["epoch_time_s"], "later": r.steady_epoch_s,
-             "train": r.train_s, "speedup": reference.train_s / r.train_s,
+             "mfu": run_mfu(r), "train": r.train_s, "speedup": reference.train_s / r.train_s,
              "acc": r.final_acc} for r in runs]
-    return table(rows, COLUMNS)
+    gpu = next((mfu.gpu_of(r.start.get("stamp")) for r in runs if r.start["config"].get(
+        "device") != "cpu" and mfu.gpu_of(r.start.get("stamp"))), None)
+    cfg = runs[0].start["config"]
+    model = f"wrn-{cfg['depth']}-{cfg['width']}"
+    flops = mfu.wrn_flops_text(model, [r.start["per_gpu_batch"] for r in runs])
+    return table(rows, COLUMNS) + "\n" + mfu.note(gpu, flops, "MFU (of the later epochs)")
 
 
 def plot_curves(runs: list[TrainingRun], title: str, targets: tuple[float, ...] = ()):

@@ -33,7 +33,7 @@ from ..memory import (
 from ..models.wrn import wide_resnet
 from ..step import train_step
 from ..timing import benchmark, cudnn_autotuning
-from . import records
+from . import mfu, records
 from .report import Column, legend_outside, table
 
 MiB, GiB = 2**20, 2**30
@@ -271,15 +271,25 @@ def segment_label(segment: int) -> str:
     return "plain" if segment == 0 else f"checkpoint every {segment} block(s)"
 
 
-def checkpoint_table(rows: list[CheckpointRow]) -> str:
+def checkpoint_mfu(r: CheckpointRow, gpu: str | None) -> float | None:
+    """A row's MFU on the GPU named ``gpu``: the network's model FLOPs, the recomputed forward
+    not counted."""
+    return mfu.mfu(mfu.wrn_step_flops(r.breakdown.model, r.breakdown.batch), r.step_ms, gpu)
+
+
+def checkpoint_table(rows: list[CheckpointRow], gpu: str | None = None) -> str:
+    """Per network: bytes saved for backward, peak, step time, its MFU on the GPU named
+    ``gpu`` (model FLOPs: recomputation not counted), time against the plain network."""
     cols = [Column("label", "network", width=30, left=True), Column("act", "saved MiB", ".1f", 11),
             Column("peak", "peak MiB", ".1f", 10), Column("ms", "step ms", ".1f", 9),
-            Column("slower", "time", ".2f", 7)]
-    base = rows[0].step_ms
-    return table([{"label": segment_label(r.segment), "ms": r.step_ms, "slower": r.step_ms / base,
-                   "act": (r.breakdown.activations + r.breakdown.weight_copies) / MiB,
-                   "peak": r.breakdown.peak / MiB if r.breakdown.peak else None}
-                  for r in rows], cols)
+            mfu.COLUMN, Column("slower", "time", ".2f", 7)]
+    base, b = rows[0].step_ms, rows[0].breakdown
+    lines = table([{"label": segment_label(r.segment), "ms": r.step_ms, "slower": r.step_ms / base,
+                    "act": (r.breakdown.activations + r.breakdown.weight_copies) / MiB,
+                    "peak": r.breakdown.peak / MiB if r.breakdown.peak else None,
+                    "mfu": checkpoint_mfu(r, gpu)} for r in rows], cols)
+    return lines + "\n" + mfu.note(gpu, mfu.wrn_flops_text(b.model, [b.batch])
+                                   + "; the recomputed forward is not counted")
 
 
 def plot_checkpointing(rows: list[CheckpointRow], title: str):
@@ -351,9 +361,11 @@ def curve_summary(curve: list[Breakdown], ref_batch: int, capacity: int | None) 
     return out
 
 
-def checkpoint_summary(rows: list[CheckpointRow], names=("plain", "block", "group")) -> dict:
-    """Per network (named by position): bytes saved for backward, peak, step time, and the
-    memory saved and time lost against the plain network (the first row)."""
+def checkpoint_summary(rows: list[CheckpointRow], names=("plain", "block", "group"),
+                       gpu: str | None = None) -> dict:
+    """Per network (named by position): bytes saved for backward, peak, step time, MFU (%, on
+    the GPU named ``gpu``), and the memory saved and time lost against the plain network (the
+    first row)."""
     nan, out = float("nan"), {}
     base = rows[0]
     for name, r in zip(names, rows, strict=True):
@@ -364,7 +376,8 @@ def checkpoint_summary(rows: list[CheckpointRow], names=("plain", "block", "grou
                 f"ck_{name}_saved_frac": (b.activations + b.weight_copies)
                 / (b0.activations + b0.weight_copies),
                 f"ck_{name}_peak_cut_pct": 100 * (1 - b.peak / b0.peak) if b.peak else nan,
-                f"ck_{name}_slower_pct": 100 * (r.step_ms / base.step_ms - 1)}
+                f"ck_{name}_slower_pct": 100 * (r.step_ms / base.step_ms - 1),
+                f"ck_{name}_mfu": mfu.percent(checkpoint_mfu(r, gpu))}
     return out | {"ck_model": base.breakdown.model.upper(), "ck_batch": base.breakdown.batch}
 
 
@@ -429,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
             checkpoint_cost(cfg.model, cfg.ckpt_batch, gpu, cfg.segments, cfg.warmup,
                             cfg.repeats),
             [allocator_trace(cfg.model, cfg.alloc_batches, gpu)]]
-    print(curve_table(rows[0]), checkpoint_table(rows[2]), sep="\n\n")
+    print(curve_table(rows[0]), checkpoint_table(rows[2], mfu.this_gpu()), sep="\n\n")
     if cfg.record:
         shown = dataclasses.replace(cfg, record=True)
         for name, what, made in zip(NAMES, WHAT, rows, strict=True):

@@ -40,7 +40,7 @@ from ..parallel.model_parallel import (
 from ..step import forward_loss
 from ..timing import benchmark, cudnn_autotuning
 from ..workers.pipeline_stage import PipelineConfig, StageRow
-from . import records
+from . import mfu, records
 from .report import Column, legend_outside, table
 
 RECORD = "03-model-parallel"
@@ -232,24 +232,50 @@ def measured(cfg: ModelParallelConfig) -> tuple[list[PipelineRow], dict[str, Sta
 
 
 COLUMNS = (Column("name", "run", width=26, left=True), Column("ms", "ms", ".2f", 9),
-           Column("x", "vs naive", ".2f", 10, unit="x"), Column("pred", "predicted", ".2f", 11),
-           Column("err", "error", "+.1%", 8), Column("bubble", "bubble", ".1%", 8))
+           mfu.COLUMN, Column("x", "vs naive", ".2f", 10, unit="x"),
+           Column("pred", "predicted", ".2f", 11), Column("err", "error", "+.1%", 8),
+           Column("bubble", "bubble", ".1%", 8))
 
 
-def table_of(rows: list[PipelineRow], stages: int) -> str:
+def row_mfus(rows: list[PipelineRow], stages: int, model: str | None, batch: int | None,
+             gpu: str | None) -> list[float | None]:
+    """Each row's MFU: forward + backward of ``batch`` images of ``model`` over the peak of the
+    GPUs it ran on (the first row one, the others ``stages``); None without a model or GPU."""
+    if model is None or batch is None:
+        return [None] * len(rows)
+    flops = mfu.wrn_step_flops(model, batch)  # forward + backward: no optimizer is timed
+    return [mfu.mfu(flops, r.measured_ms, gpu, 1 if i == 0 else stages)
+            for i, r in enumerate(rows)]
+
+
+def table_of(rows: list[PipelineRow], stages: int, model: str | None = None,
+             batch: int | None = None, gpu: str | None = None) -> str:
+    """One line per run; with ``model`` and ``batch``, each run's MFU on the GPUs named ``gpu``
+    (the first row on one, the others on ``stages``) and a note that says what it divides by."""
     naive = rows[1].measured_ms
-    return table([{"name": r.name, "ms": r.measured_ms, "x": r.speedup_over(naive),
-                   "pred": r.predicted_ms,
-                   "err": r.measured_ms / r.predicted_ms - 1 if r.predicted_ms else None,
-                   "bubble": bubble_fraction(stages, r.micro_batches) if r.micro_batches
-                   else None} for r in rows], COLUMNS)
+    shares = row_mfus(rows, stages, model, batch, gpu)
+    lines = table([{"name": r.name, "ms": r.measured_ms, "x": r.speedup_over(naive),
+                    "pred": r.predicted_ms, "mfu": share,
+                    "err": r.measured_ms / r.predicted_ms - 1 if r.predicted_ms else None,
+                    "bubble": bubble_fraction(stages, r.micro_batches) if r.micro_batches
+                    else None} for r, share in zip(rows, shares, strict=True)], COLUMNS)
+    if model is None or batch is None:
+        return lines
+    flops = mfu.gflop(mfu.wrn_step_flops(model, batch))
+    return lines + "\n" + mfu.note(gpu, f"{model.upper()}, forward + backward of {batch} images: "
+                                   f"{flops}; a run on N GPUs is set against N peaks")
 
 
-def summary(rows: list[PipelineRow]) -> dict[str, float | int]:
-    """Flat numbers for chapter 3's prose: the naive split, the best pipeline, the prediction."""
+def summary(rows: list[PipelineRow], model: str | None = None, batch: int | None = None,
+            gpu: str | None = None, stages: int = 2) -> dict[str, float | int]:
+    """Flat numbers for chapter 3's prose: the naive split, the best pipeline, the prediction;
+    with ``model``, ``batch`` and ``gpu``, the MFU (%) of one device, the split and the best."""
     single, naive, piped = rows[0], rows[1], rows[2:]
     best = min(piped, key=lambda r: r.measured_ms)
-    return {"single_ms": single.measured_ms, "naive_ms": naive.measured_ms,
+    shares = dict(zip(map(id, rows), row_mfus(rows, stages, model, batch, gpu), strict=True))
+    return {"single_mfu": mfu.percent(shares[id(single)]),
+            "naive_mfu": mfu.percent(shares[id(naive)]), "best_mfu": mfu.percent(shares[id(best)]),
+            "single_ms": single.measured_ms, "naive_ms": naive.measured_ms,
            "naive_vs_single": single.measured_ms / naive.measured_ms,
            "best_m": best.micro_batches, "best_ms": best.measured_ms,
            "best_vs_naive": naive.measured_ms / best.measured_ms,
@@ -293,7 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     device = "cuda" if gpu_count() >= cfg.devices else "cpu"
     schedules = schedule_times(cfg, device) if cfg.schedules else {}
     print(f"{cfg.model.upper()}, batch {cfg.batch}, devices {[str(d) for d in devices]}")
-    print(table_of(rows, cfg.devices))
+    gpu = mfu.this_gpu() if devices[0].type == "cuda" else None
+    print(table_of(rows, cfg.devices, cfg.model, cfg.batch, gpu))
     for name, rec in schedules.items():
         print(f"{name}: {rec.step_ms:.1f} ms per step, one stage per process ({device})")
     if cfg.record:

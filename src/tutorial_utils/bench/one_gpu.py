@@ -28,7 +28,7 @@ from ..timing import (
     host_clock_without_sync,
     tf32_enabled,
 )
-from . import records
+from . import mfu, records
 from .report import Column, table
 from .workload import LADDER, Rung, RungResult, Workload, make_train_step, measure_rung
 
@@ -231,18 +231,26 @@ def sync(cfg: OneGpuConfig) -> tuple[list[SyncRow], records.Source]:
 
 LADDER_COLUMNS = (Column("rung", "rung", width=18, left=True), Column("ms", "step (ms)", ".2f", 11),
                   Column("iqr", "IQR", ".1%", 7), Column("host", "queue (ms)", ".2f", 12),
-                  Column("ips", "images/s", ".0f"), Column("x", "speed-up", ".2f", unit="x"),
+                  Column("ips", "images/s", ".0f"), Column("tflops", "TFLOP/s", ".0f", 9),
+                  mfu.COLUMN, Column("x", "speed-up", ".2f", unit="x"),
                   Column("note", "", width=2, left=True, missing=""))
 
 
-def ladder_table(results: list[RungResult]) -> str:
-    """Rung, median step time and spread, host queueing time, images/s, speed-up over rung 1."""
+def ladder_table(results: list[RungResult], flops: float | None = None,
+                 gpu: str | None = None) -> str:
+    """Rung, median step time and spread, host queueing time, images/s, speed-up over rung 1;
+    with ``flops`` (model FLOPs of one step) the FLOP rate, and its MFU on the GPU ``gpu``."""
     base = results[0].ms
     rows = [{"rung": r.rung, "note": f"  skipped: {r.skipped}"} if r.ms is None else
             {"rung": r.rung, "ms": r.ms, "iqr": r.spread, "host": r.host_ms,
-             "ips": r.images_per_s, "x": base / r.ms}
+             "ips": r.images_per_s, "x": base / r.ms,
+             "tflops": flops / r.ms / 1e9 if flops else None,
+             "mfu": mfu.mfu(flops, r.ms, gpu) if flops else None}
             for r in results]
-    return table(rows, LADDER_COLUMNS)
+    if not flops:
+        return table(rows, LADDER_COLUMNS)
+    return table(rows, LADDER_COLUMNS) + "\n" + mfu.note(
+        gpu, f"one step: {mfu.gflop(flops)}, forward + backward")
 
 
 def plot_ladder(results: list[RungResult], title: str):
@@ -266,27 +274,14 @@ def plot_ladder(results: list[RungResult], title: str):
     return fig
 
 
-def step_tflop(size: Workload) -> float:
-    """Floating-point operations of one training step (forward + backward), in TFLOP: counted
-    on the meta device, from the shapes alone (no memory, no arithmetic), so on any machine."""
-    import torch.nn.functional as F
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from ..models.wrn import wide_resnet
-
-    with torch.device("meta"):
-        model = wide_resnet(size.model)
-        x, y = torch.randn(size.batch, 3, 32, 32), torch.randint(0, 10, (size.batch,))
-    with FlopCounterMode(display=False) as counter:
-        F.cross_entropy(model(x), y).backward()
-    return counter.get_total_flops() / 1e12
-
-
 SLUGS = ("fp32", "tf32", "bf16", "cl", "compile", "graphs")  # glue names of LADDER's rungs
 
 
-def ladder_summary(results: list[RungResult], tflop: float) -> dict[str, float | str]:
-    """Flat summary of a measured ladder for the chapter's prose (NaN where skipped)."""
+def ladder_summary(results: list[RungResult], flops: float,
+                   gpu: str | None = None) -> dict[str, float | str]:
+    """Flat summary of a measured ladder for the chapter's prose (NaN where skipped): per rung
+    its step, images/s, queueing, speed-up, FLOP rate and MFU (``flops``: model FLOPs of one
+    step; ``gpu``: the GPU that measured, NaN MFU where it has no known peak)."""
     nan = float("nan")
     base = results[0].ms
     out: dict[str, float | str] = {}
@@ -294,7 +289,10 @@ def ladder_summary(results: list[RungResult], tflop: float) -> dict[str, float |
         ms = r.ms if r.ms is not None else nan
         out |= {f"ladder_{slug}_ips": float(r.images_per_s or nan), f"ladder_{slug}_ms": ms,
                 f"ladder_{slug}_host_ms": float(r.host_ms or nan),
-                f"ladder_{slug}_x": base / ms, f"ladder_{slug}_tflops": tflop / ms * 1e3}
+                f"ladder_{slug}_x": base / ms, f"ladder_{slug}_tflops": flops / ms / 1e9,
+                f"ladder_{slug}_mfu": mfu.percent(mfu.mfu(flops, r.ms, gpu))}
+    peak = mfu.peak_of(gpu)
+    out |= {"mfu_gpu": mfu.short_name(gpu), "mfu_peak": peak.tflops if peak else nan}
     eager, compiled, graphs = results[3], results[4], results[-1]
     launch_bound = eager.host_ms > 0.8 * eager.ms
     out["cl_verdict"] = ("the GPU is waiting for the CPU" if launch_bound
@@ -331,7 +329,8 @@ def main(argv: list[str] | None = None) -> None:
                NAMES[2]: (measure_clocks(cfg.size, gpu), Clocks),
                NAMES[3]: (measure_ladder(cfg.size, gpu), RungResult),
                NAMES[4]: (measure_sync(cfg.size, gpu), SyncRow)}
-    print(ladder_table(results[NAMES[3]][0]))
+    print(ladder_table(results[NAMES[3]][0], mfu.wrn_step_flops(cfg.model, cfg.batch),
+                       mfu.this_gpu()))
     if cfg.record:
         what = dict(zip(NAMES, WHAT, strict=True))
         shown = dataclasses.replace(cfg, record=True)

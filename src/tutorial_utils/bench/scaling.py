@@ -23,7 +23,7 @@ import torch
 from ..config import Config, ConfigError, check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count, require_gpus
 from ..parallel.collectives import ring_all_reduce_seconds
-from . import records
+from . import mfu, records
 from .ddp_timing import STEP_TIMING, ddp_step, time_ddp
 from .report import Column, legend_outside, table
 from .workload import LADDER, Workload, measure_rung, time_data_parallel
@@ -228,10 +228,13 @@ def best_run(runs: list[Run], regime: str, method: str = "DDP", mode: str | None
     return max(found, key=lambda r: r.per_gpu_batch * r.gpus / r.step_ms, default=None)
 
 
-def summary(runs: list[Run], global_batch: int) -> dict[str, float | str | int]:
-    """Flat summary for the chapter's prose: single-GPU steps, then each regime's speed-ups."""
+def summary(runs: list[Run], global_batch: int, model: str = "wrn-28-10",
+            gpu: str | None = None) -> dict[str, float | str | int]:
+    """Flat summary for the chapter's prose: single-GPU steps, then each regime's speed-ups;
+    with ``gpu``, the GPU that measured ``model``'s steps, the MFU (%) of the best single-GPU
+    run and of each regime's fastest DDP run (NaN where unknown)."""
     nan = float("nan")
-    out: dict[str, float | str | int] = {}
+    out: dict[str, float | str | int] = _mfus(runs, global_batch, model, gpu)
     for name, batch in (("ref", global_batch), ("half", global_batch // 2)):
         eager = best_run(runs, "single", "1 GPU", "eager", batch=batch)
         out[f"batch_{name}"] = batch
@@ -259,19 +262,40 @@ def summary(runs: list[Run], global_batch: int) -> dict[str, float | str | int]:
     return out
 
 
-COLUMNS = (Column("regime", "regime", width=8, left=True),
-           Column("method", "method", width=14, left=True),
-           Column("mode", "mode", width=13, left=True), Column("gpus", "GPUs", "d", 5),
+def _mfus(runs: list[Run], global_batch: int, model: str, gpu: str | None) -> dict[str, float]:
+    """MFU (%) of the fastest single-GPU run at the global batch and of the fastest DDP run of
+    each regime on the fewest GPUs."""
+    n = min(r.gpus for r in runs if r.regime != "single")
+    picks = {"single_ref_mfu": best_run(runs, "single", "1 GPU", batch=global_batch),
+             "strong_2_mfu": best_run(runs, "strong", gpus=n),
+             "weak_2_mfu": best_run(runs, "weak", gpus=n)}
+    return {k: mfu.percent(run_mfu(r, model, gpu) if r else None) for k, r in picks.items()} | {
+        "mfu_gpu": mfu.short_name(gpu)}
+
+
+COLUMNS = (Column("regime", "regime", width=7, left=True),
+           Column("method", "method", width=13, left=True),
+           Column("mode", "mode", width=12, left=True), Column("gpus", "GPUs", "d", 5),
            Column("per_gpu_batch", "batch/GPU", "d", 10), Column("step_ms", "step ms", ".2f", 9),
-           Column("images_per_s", "img/s", ".0f", 8), Column("epoch_s", "epoch s", ".2f", 9),
-           Column("speedup", "speed-up", ".2f", 10, unit="x", missing=""),
-           Column("predicted", "predicted", ".2f", 11, unit="x", missing=""))
+           Column("images_per_s", "img/s", ".0f", 8), mfu.COLUMN,
+           Column("epoch_s", "epoch s", ".2f", 9),
+           Column("speedup", "speed-up", ".2f", 9, unit="x", missing=""),
+           Column("predicted", "predicted", ".2f", 10, unit="x", missing=""))
 
 
-def table_of(runs: list[Run]) -> str:
-    """One line per run; epoch s: the 50,000 training images at this rate."""
-    return table([dataclasses.asdict(r) | {"images_per_s": r.images_per_s, "epoch_s": r.epoch_s}
-                  for r in runs], COLUMNS)
+def run_mfu(r: Run, model: str, gpu: str | None) -> float | None:
+    """The MFU of a run's step on its GPUs (None where no GPU measured)."""
+    return mfu.of_rate(r.images_per_s * mfu.wrn_step_flops(model, 1), gpu, r.gpus)
+
+
+def table_of(runs: list[Run], model: str = "wrn-28-10", gpu: str | None = None) -> str:
+    """One line per run; epoch s: the 50,000 training images at this rate; MFU: with ``gpu``,
+    the GPU that measured ``model``'s steps."""
+    lines = table([dataclasses.asdict(r) | {"images_per_s": r.images_per_s,
+                                            "epoch_s": r.epoch_s, "mfu": run_mfu(r, model, gpu)}
+                   for r in runs], COLUMNS)
+    return lines + "\n" + mfu.note(gpu, mfu.wrn_flops_text(model, [r.per_gpu_batch
+                                                                 for r in runs]))
 
 
 def plot(runs: list[Run], title: str):
@@ -314,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     if gpu_count() == 0 and set(cfg.modes) & set(GPU_ONLY_MODES):
         print("no GPU: the CUDA-graph runs are left out")
     runs = run(cfg)
-    print(table_of(runs))
+    print(table_of(runs, cfg.model, mfu.this_gpu() if cfg.on == "cuda" else None))
     print("\npredicted: DDP with no overlap of compute and all-reduce (chapter 4's model)")
     if cfg.record:
         path = records.write(RECORD, cfg, runs, __spec__.name, [STEP_TIMING], gpus=max(cfg.gpus),

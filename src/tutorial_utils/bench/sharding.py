@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..config import Config, check, check_gpus, opt, parse_or_exit
 from ..devices import gpu_count
 from ..launch import run_worker
-from . import records
+from . import mfu, records
 from .report import Column, table
 from .workers.fsdp_step import VARIANTS, FsdpRow, FsdpStepConfig, Variant
 
@@ -134,8 +134,15 @@ def state_table(rows: list[FsdpRow]) -> str:
 TIME_COLUMNS = (Column("mode", "", width=13, left=True), Column("variant", "variant", width=8,
                 left=True), Column("step_ms", "step ms", ".2f", 9),
                 Column("host_ms", "host ms", ".2f", 9), Column("images_per_s", "images/s", ".0f"),
-                Column("peak_gib", "peak GiB", ".2f", 9),
+                mfu.COLUMN, Column("peak_gib", "peak GiB", ".2f", 9),
                 Column("marks", "", width=2, left=True, missing=""))
+
+
+def row_mfu(row: FsdpRow, gpu: str | None) -> float | None:
+    """The MFU of a row's step on its ``world_size`` GPUs named ``gpu`` (None on CPUs)."""
+    if not row.device.startswith("cuda") or row.images_per_s is None:
+        return None
+    return mfu.of_rate(row.images_per_s * mfu.wrn_step_flops(row.model, 1), gpu, row.world_size)
 
 
 def host_bound(row: FsdpRow) -> bool:
@@ -148,18 +155,21 @@ def best(rows: list[FsdpRow], modes: tuple[str, ...]) -> FsdpRow | None:
     return min((r for r in rows if r.mode in modes), key=lambda r: r.step_ms, default=None)
 
 
-def time_table(rows: list[FsdpRow], batch: int) -> str:
-    """Per mode and variant at ``batch``: step and host times, images/s, peak memory; each
-    mode's fastest variant marked "best", and "host-bound" where the host's time to queue a
-    step is at least 90 % of the step."""
+def time_table(rows: list[FsdpRow], batch: int, gpu: str | None = None) -> str:
+    """Per mode and variant at ``batch``: step and host times, images/s, MFU on the GPUs named
+    ``gpu``, peak memory; each mode's fastest variant marked "best", and "host-bound" where the
+    host's time to queue a step is at least 90 % of the step. Then what MFU divides by."""
     here = _modes(rows, batch)
     fastest = {id(best(here, (m,))) for m in dict.fromkeys(r.mode for r in here)}
     out = []
     for r in here:
         marks = ["best" if id(r) in fastest else "",
                  "host-bound" if host_bound(r) else ""]
-        out.append(dataclasses.asdict(r) | {"marks": "  " + ", ".join(m for m in marks if m)})
-    return table(out, TIME_COLUMNS)
+        out.append(dataclasses.asdict(r) | {"marks": "  " + ", ".join(m for m in marks if m),
+                                            "mfu": row_mfu(r, gpu)})
+    on_gpu = gpu if here[0].device.startswith("cuda") else None
+    return table(out, TIME_COLUMNS) + "\n" + mfu.note(
+        on_gpu, mfu.wrn_flops_text(here[0].model, [batch]))
 
 
 def fit_lines(rows: list[FsdpRow]) -> list[str]:
@@ -187,13 +197,14 @@ def compile_slower(rows: list[FsdpRow], batch: int) -> list[FsdpRow]:
     return [r for r in compiled if r.mode in slower]
 
 
-def summary(rows: list[FsdpRow]) -> dict[str, float | str]:
+def summary(rows: list[FsdpRow], gpu: str | None = None) -> dict[str, float | str]:
     """Chapter 6's glue: the state per mode, the losses' spread, and at each batch DDP's and
-    FSDP2's best variant, their ratio and how much of DDP's eager step the host took."""
+    FSDP2's best variant, their ratio and MFU (%, on the GPUs named ``gpu``), and how much of
+    DDP's eager step the host took."""
     first = {r.mode: r for r in _modes(rows) if r.variant == "eager"}
     ddp = first["ddp"]
     out: dict[str, float | str] = {
-        "world_size": ddp.world_size,
+        "world_size": ddp.world_size, "mfu_gpu": mfu.short_name(gpu),
         "loss_diff": max(abs(a - b) for r in first.values()
                          for a, b in zip(ddp.losses, r.losses, strict=True))}
     for name, r in first.items():
@@ -218,7 +229,9 @@ def summary(rows: list[FsdpRow]) -> dict[str, float | str]:
                 f"best_fsdp_{batch}_name": (f"{top_fsdp.mode}, {top_fsdp.variant}"
                                             if top_fsdp else "not measured"),
                 f"fsdp_over_ddp_{batch}": (top_fsdp.step_ms / top_ddp.step_ms
-                                           if top_fsdp else math.nan)}
+                                           if top_fsdp else math.nan),
+                f"best_ddp_{batch}_mfu": mfu.percent(row_mfu(top_ddp, gpu)),
+                f"best_fsdp_{batch}_mfu": mfu.percent(row_mfu(top_fsdp, gpu) if top_fsdp else None)}
     return out
 
 
@@ -232,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(cfg)
     print(state_table(rows))
     for batch in batches(rows):
-        print(f"\n{batch} images per process:\n{time_table(rows, batch)}")
+        print(f"\n{batch} images per process:\n{time_table(rows, batch, mfu.this_gpu())}")
     print(*fit_lines(rows), sep="\n")
     if cfg.record:
         path = records.write(record_name(cfg.nproc), cfg, rows, __spec__.name, [WORKER],

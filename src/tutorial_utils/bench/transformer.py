@@ -22,10 +22,10 @@ import torch
 
 from ..config import Config, ConfigError, check, check_gpus, opt, parse_or_exit
 from ..launch import run_worker
-from ..models.gpt import GPT, GPTConfig, flops_per_token, lm_loss, shape_rules
+from ..models.gpt import GPT, GPTConfig, lm_loss, shape_rules
 from ..text import Corpus, batch, stdlib_corpus, synthetic_corpus
 from ..timing import benchmark, synchronize
-from . import records
+from . import mfu, records
 from .report import Column, table
 
 RECORD = "07-tensor-parallel"
@@ -139,7 +139,7 @@ def step_row(cfg: TransformerConfig, size: int, recompute: bool) -> StepRow:
     tokens_s = size * cfg.seq / (t.median_ms / 1e3)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
     return StepRow(size, recompute, n_params, t.median_ms, tokens_s,
-                   tokens_s * flops_per_token(cfg.model, n_params) / 1e12, peak)
+                   mfu.gpt_step_flops(cfg.model, size, n_params) / t.median_ms / 1e9, peak)
 
 
 def step_rows(cfg: TransformerConfig) -> list[StepRow]:
@@ -153,13 +153,24 @@ STEP_COLUMNS = (Column("batch", "batch", width=6), Column("ckpt", "  checkpointi
                                                           left=True),
                 Column("step_ms", "step ms", ".1f", 9), Column("tokens_per_s", "tokens/s", ",.0f",
                                                                11),
-                Column("tflops", "TFLOP/s", ".0f", 9), Column("peak_gib", "peak GiB", ".2f", 10))
+                Column("tflop", "TFLOP/step", ".2f", 11), Column("tflops", "TFLOP/s", ".0f", 9),
+                mfu.COLUMN, Column("peak_gib", "peak GiB", ".2f", 10))
 
 
-def step_table(rows: list[StepRow]) -> str:
-    return table([dataclasses.asdict(r) | {"ckpt": "  " + ("yes" if r.checkpointing else "no")
-                                           + ("  (out of memory)" if r.oom else "")}
-                  for r in rows], STEP_COLUMNS)
+def step_table(rows: list[StepRow], cfg: GPTConfig, gpu: str | None = None) -> str:
+    """One line per batch and checkpointing: the step, its model FLOPs (``cfg``'s GPT, 6 per
+    parameter and token plus attention; recomputation not counted), their rate and its MFU on
+    the GPU named ``gpu``; then what MFU divides by."""
+    out = []
+    for r in rows:
+        flops = mfu.gpt_step_flops(cfg, r.batch, r.params)
+        out.append(dataclasses.asdict(r) | {
+            "ckpt": "  " + ("yes" if r.checkpointing else "no")
+                    + ("  (out of memory)" if r.oom else ""),
+            "tflop": flops / 1e12, "mfu": mfu.mfu(flops, r.step_ms, gpu)})
+    return table(out, STEP_COLUMNS) + "\n" + mfu.note(
+        gpu, "model FLOPs: 6 per parameter and token plus the attention scores, recomputation "
+        "not counted")
 
 
 def corpus(cfg: TransformerConfig) -> Corpus:
@@ -233,11 +244,18 @@ N_GPU_COLUMNS = (Column("mode", "mode", width=20, left=True), Column("mesh", "me
                                                                      left=True),
                  Column("step_ms", "step ms", ".1f", 9),
                  Column("tokens_per_s", "tokens/s", ",.0f", 11),
+                 Column("tflop", "TFLOP/step", ".2f", 11), mfu.COLUMN,
                  Column("peak_gib", "peak GiB", ".2f", 10))
 
 
-def n_gpu_table(rows: list[dict]) -> str:
-    return table(rows, N_GPU_COLUMNS)
+def n_gpu_table(rows: list[dict], cfg: GPTConfig, gpu: str | None = None) -> str:
+    """One line per mode: the step of ``cfg``'s GPT on the whole global batch, its model FLOPs,
+    and its MFU on the ``world_size`` GPUs named ``gpu``; then what MFU divides by."""
+    out = [r | {"tflop": (f := mfu.gpt_step_flops(cfg, r["batch"])) / 1e12,
+                "mfu": mfu.mfu(f, r["step_ms"], gpu, r["world_size"])} for r in rows]
+    return table(out, N_GPU_COLUMNS) + "\n" + mfu.note(
+        gpu, "model FLOPs of the global batch: 6 per parameter and token plus the attention "
+        "scores")
 
 
 def link_bus_gbps() -> tuple[float, str]:
@@ -314,8 +332,9 @@ def layout_lines(row: dict) -> list[str]:
     return out
 
 
-def summary(steps: list[StepRow], run: TrainingRun) -> dict:
-    """Chapter 7's glue: the largest batch's rows with and without checkpointing, the run."""
+def summary(steps: list[StepRow], run: TrainingRun, gpu: str | None = None) -> dict:
+    """Chapter 7's glue: the largest batch's rows with and without checkpointing (their MFU in
+    %, on the GPU named ``gpu``: NaN where unknown), the run."""
     size = max(r.batch for r in steps)
     plain, ckpt = (next(r for r in steps if r.batch == size and r.checkpointing == c)
                    for c in (False, True))
@@ -324,7 +343,10 @@ def summary(steps: list[StepRow], run: TrainingRun) -> dict:
            "tflops": plain.tflops, "tokens_per_s": plain.tokens_per_s,
            "ckpt_slowdown": ckpt.step_ms / plain.step_ms if plain.step_ms and ckpt.step_ms
            else nan,
-           "peak_plain": plain.peak_gib or nan, "peak_ckpt": ckpt.peak_gib or nan}
+           "peak_plain": plain.peak_gib or nan, "peak_ckpt": ckpt.peak_gib or nan,
+           "mfu": mfu.percent(mfu.of_rate((plain.tflops or nan) * 1e12, gpu)),
+           "mfu_gpu": mfu.short_name(gpu),
+           "mfu_ckpt": mfu.percent(mfu.of_rate((ckpt.tflops or nan) * 1e12, gpu))}
     first, last = run.points[0], run.points[-1]
     return out | {"loss_first": first["train"], "val_last": last["val"],
                   "train_s": run.seconds, "train_tokens_m": run.tokens / 1e6}
@@ -342,14 +364,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(TransformerConfig, argv, __spec__.name, machine=_enough_gpus)
     if cfg.gpus:
         rows = n_gpu_rows(cfg)
-        print(n_gpu_table(rows))
+        print(n_gpu_table(rows, cfg.model, mfu.this_gpu()))
         if cfg.record:
             path = records.write(RECORD, cfg, rows, __spec__.name, [WORKER], gpus=cfg.gpus,
                                  what=WHAT[RECORD])
             print(f"wrote {path}")
         return
     steps = step_rows(cfg)
-    print(step_table(steps))
+    on_gpu = cfg.torch_device.type == "cuda"
+    print(step_table(steps, cfg.model, mfu.this_gpu() if on_gpu else None))
     run = train(cfg) if cfg.train_steps else None
     if run:
         print(f"{run.corpus}: loss {run.points[0]['train']:.2f} -> "
