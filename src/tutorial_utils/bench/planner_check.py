@@ -94,15 +94,17 @@ def gpu_hardware() -> tuple[planner.Hardware, str]:
     import dataclasses
 
     from . import records
+    from .mfu import peak_of
     from .transformer import link_bus_gbps
 
     steps = records.load("07-gpt-steps")
     best = max((r["tflops"] for r in steps.rows if r.get("tflops")), default=None) \
         if steps else None
     bus, where = link_bus_gbps()
-    hw = dataclasses.replace(planner.H100, link=planner.Link(planner.H100.link.alpha_s, bus * 1e9),
-                             efficiency=best * 1e12 / planner.H100.peak_flops if best
-                             else planner.H100.efficiency)
+    peak = peak_of("NVIDIA H100 80GB HBM3").flops
+    hw = dataclasses.replace(planner.H100, peak_flops=peak,
+                             link=planner.Link(planner.H100.link.alpha_s, bus * 1e9),
+                             efficiency=best * 1e12 / peak if best else planner.H100.efficiency)
     said = (f"{hw.name}: {hw.memory_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s dense "
             f"bf16 at {hw.efficiency:.0%}"
             + (f" (chapter 7's GPT on {steps.hardware})" if best else " (assumed)")
