@@ -108,7 +108,7 @@ def gpu_hardware() -> tuple[planner.Hardware, str]:
     said = (f"{hw.name}: {hw.memory_bytes / 1e9:.0f} GB, {hw.peak_flops / 1e12:.0f} TFLOP/s dense "
             f"bf16 at {hw.efficiency:.0%}"
             + (f" (chapter 7's GPT on {steps.hardware})" if best else " (assumed)")
-            + f";\n  links of {bus:.0f} GB/s bus bandwidth: {where}")
+            + f";\n  links of {bus:.0f} GB/s bus bandwidth:\n  {where}")
     return hw, said
 
 
