@@ -119,7 +119,7 @@ execute: $(SETUP)
 # about half an hour.
 GPUS       ?= $(shell $(PY) -c "import torch; print(torch.cuda.device_count())" 2>/dev/null)
 RECORDS_1  = 02 05c 05-loaders 05b-knobs-1 06-nccl-1 06-sharding-1 07-gpt 05d 05e 05e-bn 05-200ep
-RECORDS_N  = 03 03b 04 05 05b 05b-trace 05b-knobs 06 06-nccl 07
+RECORDS_N  = 03 03b 04 05 05b 05b-trace 05b-knobs 06 06-nccl 07 08-context
 RECORDS_ALL = $(RECORDS_1) $(RECORDS_N)
 RECORDS    ?= $(if $(filter 0 1,$(or $(GPUS),0)),$(RECORDS_1),$(RECORDS_ALL))
 REC_02        = tutorial_utils.bench.one_gpu
@@ -144,6 +144,7 @@ REC_05b-knobs = tutorial_utils.bench.ddp_knobs --nproc $(GPUS)
 REC_06        = tutorial_utils.bench.sharding --nproc $(GPUS)
 REC_06-nccl   = tutorial_utils.bench.nccl --gpus $(GPUS)
 REC_07        = tutorial_utils.bench.transformer --gpus $(GPUS)
+REC_08-context = tutorial_utils.bench.context --gpus $(GPUS)
 DATA    ?= $(or $(TUTORIAL_CIFAR10),auto)
 records: $(SETUP)
 	@$(NEED_GPU)

@@ -66,8 +66,10 @@ CASES = [
     ("collectives", "--device cuda", 0,
      "--nproc 2: asked for 2 GPU(s) but this machine has 0; use a machine with 2 GPUs, or "
      "--device cpu"),
-    ("collectives", "--nproc 4", 2, "this machine has 2; use --nproc 2, a machine with 4 GPUs"),
-    ("collectives", "--nproc 2", 1, "this machine has 1; use a machine with 2 GPUs, or --device"),
+    ("collectives", "--nproc 4 --device cuda", 2,
+     "this machine has 2; use --nproc 2, a machine with 4 GPUs"),
+    ("collectives", "--nproc 2 --record", 1,
+     "this machine has 1; use a machine with 2 GPUs, or leave out --record"),
     ("scaling", "--per-gpu-batch 0", 0, "the batches must be >= 1"),
     ("scaling", "--global-batch 0", 0, "the batches must be >= 1"),
     ("scaling", "--global-batch -128", 0, "the batches must be >= 1"),
@@ -146,7 +148,8 @@ def test_enough_gpus_or_none_at_all_start_the_work(name, argv, gpus, monkeypatch
 
 
 def test_a_cpu_run_is_asked_for_by_device_cpu_whatever_the_gpus(monkeypatch):
-    for name, argv in (("collectives", "--nproc 4 --device cpu"),
+    # collectives on fewer GPUs than processes fall back to CPU processes by themselves
+    for name, argv in (("collectives", "--nproc 4 --device cpu"), ("collectives", "--nproc 4"),
                        ("scaling", "--gpus 4 --device cpu --modes eager")):
         with pytest.raises(WorkStarted):
             bench_on(name, 1, monkeypatch).main(argv.split())

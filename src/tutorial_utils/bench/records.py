@@ -421,16 +421,19 @@ class Index:
     pending: dict[str, list[str]]  # a missing record's name -> the chapters that look for it
 
     def _repr_markdown_(self) -> str:
-        lines = ["| record | what it measures | measured on | date (UTC) | commit | modules "
-                 "changed since | remade by |", "|---|---|---|---|---|---|---|"]
+        lines = ["| record | what it measures | measured on | code changed since |",
+                 "|---|---|---|---|"]
         for r in self.made:
             changed, total = len(r.changed_modules()), len(r.header.get("modules", {}))
-            lines.append(f"| `{r.name}` | {r.header.get('what', '')} | {r.machine} | "
-                         f"{r.header['stamp']['date_utc']} | `{r.commit}` | "
-                         + (f"{changed} of {total}" if total else "not known (made before "
-                            "records kept them)")
-                         + f" | `{r.header['command']}` |")
+            lines.append(f"| `{r.name}` | {r.header.get('what', '')} | {r.machine}, "
+                         f"{r.header['stamp']['date_utc']} UTC, commit `{r.commit}` | "
+                         + (f"{changed} of {total} modules" if total else "not known")
+                         + " |")
         return "\n".join(lines)
+
+    def commands(self) -> str:
+        """The command that remakes each record, as a Markdown list."""
+        return "\n".join(f"- `{r.name}`: `{r.header['command']}`" for r in self.made)
 
     def notes(self) -> str:
         """How the records made from a chapter's stored output were made, one line each."""

@@ -7,6 +7,14 @@ projection would hand one rank all the queries. And ``forward`` finds the number
 from the tensor it is given (``view(b, t, -1, head_dim)``), so a rank that holds a quarter of
 the heads runs the same code. The token embedding and the output layer are not tied, so each
 can be split its own way.
+
+Two options serve chapter 8. ``GPTConfig(experts=E, top_k=k)`` replaces each block's MLP by a
+mixture of E expert MLPs and a router (:class:`MoE`), which expert parallelism spreads over the
+ranks (:mod:`tutorial_utils.parallel.experts`); ``experts=0``, the default, is the dense model,
+the same parameters and the same numbers as before the option existed. And the attention calls
+``self.attend``, plain causal SDPA, which context parallelism replaces by ring attention
+(:mod:`tutorial_utils.parallel.context`), with ``forward(idx, positions)`` giving each rank's
+tokens their place in the whole sequence.
 """
 
 from __future__ import annotations
@@ -27,9 +35,12 @@ class GPTConfig:
     layers: int = 6
     heads: int = 6
     dim: int = 384
+    experts: int = 0  # 0: a dense MLP in each block; E >= 1: a mixture of E expert MLPs
+    top_k: int = 2  # how many experts each token goes to (with experts >= 1)
 
     def __post_init__(self) -> None:
-        for holds, message in shape_rules(self.dim, self.heads, self.layers, self.seq):
+        for holds, message in (*shape_rules(self.dim, self.heads, self.layers, self.seq),
+                               *mixture_rules(self.experts, self.top_k)):
             if not holds:
                 raise ValueError(message)
 
@@ -40,19 +51,33 @@ def shape_rules(dim: int, heads: int, layers: int, seq: int) -> tuple[tuple[bool
             (dim % max(heads, 1) == 0, f"dim={dim} must be a multiple of heads={heads}"))
 
 
+def mixture_rules(experts: int, top_k: int) -> tuple[tuple[bool, str], ...]:
+    """What a mixture of experts must meet, as (holds, message) pairs; ``experts=0``: none."""
+    return ((experts >= 0, f"experts={experts} must be >= 0 (0: a dense MLP)"),
+            (experts == 0 or 1 <= top_k <= experts,
+             f"top_k={top_k} must be between 1 and experts={experts}: each token goes to "
+             "top_k different experts"))
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Each position attends to itself and the positions before it."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.head_dim = dim // heads
         self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.o = nn.Linear(dim, dim)
+        self.attend = causal_attention  # ring attention under context parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         # -1: as many heads as this rank's share of the features holds
         q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2)
                    for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -65,11 +90,63 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+def route(logits: torch.Tensor, top_k: int):
+    """Top-k routing with softmax gates, and the load-balancing loss.
+
+    ``logits``: (tokens, experts), the router's scores. Each token goes to the ``top_k``
+    experts of highest probability ``softmax(logits)``, its output the sum of theirs weighted
+    by those probabilities, not renormalised: with ``top_k=1`` the gate is then below 1 and
+    the loss's gradient reaches the router through it (Shazeer et al., 2017; Fedus et al.,
+    2021). Returns the gates and the chosen experts, each (tokens, top_k), and the auxiliary
+    loss ``E * sum_e f_e * p_e`` (Switch Transformer, GShard), where ``f_e`` is the fraction
+    of the assignments that went to expert e and ``p_e`` the mean probability the router gave
+    it. Only ``p_e`` carries a gradient; the loss is 1 when both are uniform and E when every
+    token goes to one expert, so adding it pushes the router to spread the tokens.
+    """
+    probs = logits.float().softmax(-1)
+    gates, chosen = probs.topk(top_k, dim=-1)
+    experts = logits.shape[-1]
+    share = F.one_hot(chosen, experts).flatten(0, 1).float().mean(0)  # f_e
+    balance = experts * (share * probs.mean(0)).sum()
+    return gates.to(logits.dtype), chosen, balance
+
+
+class MoE(nn.Module):
+    """A mixture of ``experts`` MLPs: a router sends each token to ``top_k`` of them.
+
+    Every token is computed (no capacity limit drops any): an expert takes however many
+    tokens the router gives it. ``balance_loss`` holds the last forward's auxiliary loss.
+    """
+
+    def __init__(self, dim: int, experts: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(MLP(dim) for _ in range(experts))
+        self.balance_loss = torch.zeros(())
+
+    def __getstate__(self) -> dict:
+        # a copy of the model (deepcopy, pickle) leaves out the last loss and its graph
+        return super().__getstate__() | {"balance_loss": torch.zeros(())}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        gates, chosen, self.balance_loss = route(self.router(tokens), self.top_k)
+        y = torch.zeros_like(tokens)
+        for e, expert in enumerate(self.experts):
+            # an expert chosen by no token still runs, on no rows: its gradient is then
+            # zero rather than missing, on one process as on many
+            token, slot = (chosen == e).nonzero(as_tuple=True)
+            y = y.index_add(0, token, expert(tokens[token]) * gates[token, slot, None])
+        return y.view_as(x)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, experts: int = 0, top_k: int = 2) -> None:
         super().__init__()
         self.norm1, self.attn = nn.LayerNorm(dim), Attention(dim, heads)
-        self.norm2, self.mlp = nn.LayerNorm(dim), MLP(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MoE(dim, experts, top_k) if experts else MLP(dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -83,12 +160,15 @@ class Embedding(nn.Module):
         super().__init__()
         self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.tokens(idx) + self.positions(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:  # the whole sequence; a context-parallel rank passes its own
+            positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.tokens(idx) + self.positions(positions)
 
 
 class GPT(nn.Module):
-    """Tokens (batch, seq) in, logits (batch, seq, vocab) out.
+    """Tokens (batch, seq) in, logits (batch, seq, vocab) out; ``positions``: where in the
+    whole sequence each of the ``seq`` tokens stands (default: ``0 .. seq-1``).
 
     ``activation_checkpointing`` keeps only each block's input for backward and recomputes
     the rest of the block there: less memory for about a third more compute.
@@ -98,12 +178,14 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.activation_checkpointing = cfg, activation_checkpointing
         self.embed = Embedding(cfg.vocab, cfg.seq, cfg.dim)
-        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg.dim, cfg.heads, cfg.experts, cfg.top_k)
+                                    for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.apply(self._init)
         for block in self.blocks:  # GPT-2: residual branches scaled down with depth
-            for out in (block.attn.o, block.mlp.proj):
+            mlps = [m for m in block.mlp.modules() if isinstance(m, MLP)]  # one, or the experts
+            for out in (block.attn.o, *(m.proj for m in mlps)):
                 nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * cfg.layers))
 
     @staticmethod
@@ -113,12 +195,19 @@ class GPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.embed(idx)
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(idx, positions)
         for block in self.blocks:
             x = (checkpoint(block, x, use_reentrant=False) if self.activation_checkpointing
                  and self.training else block(x))
         return self.head(self.norm(x))
+
+    def balance_loss(self) -> torch.Tensor:
+        """The blocks' load-balancing losses of the last forward, summed (0 for a dense GPT);
+        add a small multiple of it to the training loss (Switch used 0.01)."""
+        # a dense MLP has none; a mixture, whole or spread over ranks, has its last one
+        return sum((b.mlp.balance_loss for b in self.blocks if hasattr(b.mlp, "balance_loss")),
+                   torch.zeros(()))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -128,5 +217,6 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def flops_per_token(cfg: GPTConfig, n_params: int) -> float:
     """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
-    scores and their weighted sum, 12 * layers * seq * dim (the PaLM paper's count)."""
+    scores and their weighted sum, 12 * layers * seq * dim (the PaLM paper's count). With
+    experts, pass the parameters a token uses (``top_k`` experts' of each block's), not all."""
     return 6 * n_params + 12 * cfg.layers * cfg.seq * cfg.dim
