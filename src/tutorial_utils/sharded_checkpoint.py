@@ -146,6 +146,10 @@ class AsyncCheckpointer:
         self.root, self.ctx, self.asynchronous = root, ctx, asynchronous
         # every rank creates the group, in the same order: a collective call
         self.group = dist.new_group(backend="gloo") if ctx.is_distributed else None
+        if not ctx.is_distributed:
+            # One process, no_dist=True: DCP still warns that it assumes one process, from
+            # the writing thread, where a catch_warnings() around the call does not reach.
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         gpu = ctx.device.type == "cuda"
         # pinned host memory and non-blocking copies on a GPU; the copy itself is done before
         # async_save returns, so that the optimizer's next update cannot race it
@@ -329,11 +333,14 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     return state["step"]
 
 
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
+
+
 @contextlib.contextmanager
 def _single_process_quietly() -> Iterator[None]:
     """Asked to save or load as one process, DCP still warns that it assumes so."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
         yield
 
 
