@@ -21,6 +21,11 @@ Loading runs code the checkpoint may hold: DCP reads ``.metadata`` with Python's
 which executes whatever a crafted file asks, unlike ``torch.load(weights_only=True)``. So load
 only checkpoints you trust; :func:`load_sharded` refuses a folder that other users can write to.
 
+:class:`AsyncCheckpointer` is the training loop's save: ``dcp.async_save`` copies this rank's
+state into host memory (pinned, on a GPU) and writes it from a background thread while training
+goes on; the step waits only for the copy. Rank 0 commits the folder (digests, rename) once DCP
+has finished writing every rank's part, from that thread too.
+
 Buffers that FSDP leaves whole, such as BatchNorm's running statistics, are saved once. Under
 FSDP each rank updates its own copy and nothing synchronises them (DDP copies rank 0's into
 every rank at each forward), so the copies differ by rank; only the parameters and the
@@ -29,6 +34,7 @@ optimizer state are sharded and restored exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -36,9 +42,15 @@ import re
 import shutil
 import stat
 import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -64,11 +76,7 @@ def save_sharded(root: Path, step: int, model: nn.Module, optimizer: torch.optim
 def write_uncommitted(root: Path, step: int, model: nn.Module,
                       optimizer: torch.optim.Optimizer, ctx: DistContext) -> Path:
     """The first half of :func:`save_sharded`: the shards, in a folder no loader reads."""
-    tmp = root / f".step-{step:06d}.tmp"
-    if ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
-        tmp.mkdir(parents=True)
-    ctx.barrier()
+    tmp = _fresh_folder(root, step, ctx)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: this rank's shards
     dcp.save({"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
              no_dist=not ctx.is_distributed)
@@ -77,19 +85,140 @@ def write_uncommitted(root: Path, step: int, model: nn.Module,
 
 def commit(root: Path, tmp: Path, ctx: DistContext) -> Path:
     """Rename the written folder into place once every rank has finished writing."""
-    final = root / tmp.name[1:].removesuffix(".tmp")
     ctx.barrier()  # dcp.save returned everywhere: all shards and the metadata are on disk
-    if ctx.is_main:
-        digests = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / DIGESTS).write_text(json.dumps(digests, indent=1))
-        _only_owner_writes(tmp)  # a load runs the pickle in .metadata: nobody else may edit it
-        if final.exists():  # the same step saved again by a resumed job
-            _remove_or_set_aside(final)
-        tmp.rename(final)  # atomic on one file system; readers see no folder or a whole one
-        for old in _saved(root)[:-2]:  # keep the last two that a save wrote (with digests)
-            shutil.rmtree(old)
+    final = _commit_written(root, tmp) if ctx.is_main else _final(root, tmp)
     ctx.barrier()
     return final
+
+
+def _final(root: Path, tmp: Path) -> Path:
+    return root / tmp.name[1:].removesuffix(".tmp")
+
+
+def _commit_written(root: Path, tmp: Path) -> Path:
+    """Rank 0's part of :func:`commit`, once every shard and the metadata are on disk."""
+    final = _final(root, tmp)
+    digests = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    (tmp / DIGESTS).write_text(json.dumps(digests, indent=1))
+    _only_owner_writes(tmp)  # a load runs the pickle in .metadata: nobody else may edit it
+    if final.exists():  # the same step saved again by a resumed job
+        _remove_or_set_aside(final)
+    tmp.rename(final)  # atomic on one file system; readers see no folder or a whole one
+    for old in _saved(root)[:-2]:  # keep the last two that a save wrote (with digests)
+        shutil.rmtree(old)
+    return final
+
+
+def _fresh_folder(root: Path, step: int, ctx: DistContext) -> Path:
+    """``root/.step-N.tmp``, emptied of what a killed save left, on every rank."""
+    tmp = root / f".step-{step:06d}.tmp"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that was killed
+        tmp.mkdir(parents=True)
+    ctx.barrier()
+    return tmp
+
+
+class AsyncCheckpointer:
+    """Sharded checkpoints saved from the training loop without stopping it for the writing.
+
+    ::
+
+        saver = AsyncCheckpointer(root, ctx)
+        blocked_s = saver.save(step, model, optimizer)  # returns once the state is copied
+        ...                                              # training goes on while it is written
+        saver.close()                                    # the last save written and committed
+
+    ``dcp.async_save`` first copies ("stages") this rank's shards into host memory, the only
+    part the step waits for: into pinned memory on a GPU (a copy at full link speed, reused by
+    the next save), into ordinary memory on a CPU. A background thread then writes the files,
+    its collectives on a process group of its own (gloo), so that they never interleave with
+    the training's. DCP's last step gathers every rank's result on rank 0 and writes the
+    metadata: when rank 0's save is done, every rank's is, and rank 0 commits the folder (its
+    digests, then the rename) in that thread. A job killed before the commit leaves a
+    temporary folder that no resume reads. ``asynchronous=False`` writes before returning,
+    the cost a synchronous save puts on the step.
+    """
+
+    def __init__(self, root: Path, ctx: DistContext, asynchronous: bool = True) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        self.root, self.ctx, self.asynchronous = root, ctx, asynchronous
+        # every rank creates the group, in the same order: a collective call
+        self.group = dist.new_group(backend="gloo") if ctx.is_distributed else None
+        if not ctx.is_distributed:
+            # One process, no_dist=True: DCP still warns that it assumes one process, from
+            # the writing thread, where a catch_warnings() around the call does not reach.
+            warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        gpu = ctx.device.type == "cuda"
+        # pinned host memory and non-blocking copies on a GPU; the copy itself is done before
+        # async_save returns, so that the optimizer's next update cannot race it
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=gpu))
+        self._upload: Future | None = None
+        self._committed = threading.Event()
+        self._committed.set()
+        self._error: BaseException | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             extra: Callable[[Path], None] | None = None) -> float:
+        """Start saving ``step``; the seconds the caller was held (the copy of the state).
+
+        ``extra(folder)``, on rank 0, writes small files of its own into the folder before
+        the shards (they are committed, and their digests checked, with them).
+        """
+        t0 = time.perf_counter()
+        self.wait()  # the staging buffers are reused: the last save must be written
+        tmp = _fresh_folder(self.root, step, self.ctx)
+        if self.ctx.is_main and extra is not None:
+            extra(tmp)
+        if self.ctx.device.type == "cuda":  # the optimizer's update done before the copy
+            torch.cuda.current_stream().synchronize()
+        model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: this rank's shards
+        self._committed.clear()
+        with _single_process_quietly():
+            self._upload = dcp.async_save(
+                {"model": model_sd, "optim": optim_sd, "step": step}, checkpoint_id=tmp,
+                process_group=self.group, async_stager=self.stager,
+                no_dist=not self.ctx.is_distributed)
+        if self.ctx.is_main:
+            self._upload.add_done_callback(lambda done: self._commit(tmp, done))
+        else:
+            self._upload.add_done_callback(lambda _: self._committed.set())
+        if not self.asynchronous:
+            self.wait()
+        return time.perf_counter() - t0
+
+    def _commit(self, tmp: Path, done: Future) -> None:
+        try:
+            done.result()
+            _commit_written(self.root, tmp)
+        except BaseException as err:  # noqa: BLE001 - kept, and raised by the next wait()
+            self._error = err
+        finally:
+            self._committed.set()
+
+    def wait(self) -> None:
+        """Until the save in flight is written (and, on rank 0, committed)."""
+        if self._upload is not None:
+            try:
+                self._upload.result()
+            except BaseException as err:  # noqa: BLE001
+                self._error = self._error or err
+            self._committed.wait()
+            self._upload = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"saving a checkpoint under {self.root} failed: "
+                                  f"{type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        """Wait for the last save, committed, on every rank (a collective call), then free the
+        staging memory."""
+        self.wait()
+        self.ctx.barrier()  # rank 0's commit is done when it gets here
+        self.stager.close()
 
 
 def _steps(root: Path) -> list[Path]:
@@ -168,7 +297,8 @@ def verify(path: Path) -> None:
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 require_digests: bool = True) -> int:
+                 require_digests: bool = True, *, verified: bool = False,
+                 no_dist: bool | None = None) -> int:
     """Load a checkpoint into ``model`` and ``optimizer``, sharded or not; returns its step.
 
     DCP reads into the tensors it is given, so the state dicts of this job's model and
@@ -177,15 +307,20 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
     Loading can execute code: DCP reads ``.metadata`` with ``pickle``, which runs whatever a
     crafted file asks (``torch.load(weights_only=True)`` would refuse it; DCP has no such
     mode). Load only checkpoints you trust: a folder that other users can write to is refused.
-    ``require_digests=False`` loads a folder without digests, unverified.
+    ``require_digests=False`` loads a folder without digests, unverified; ``verified``: the
+    caller has just run :func:`verify` on it. ``no_dist``: load as a single process (default:
+    when no process group exists).
     """
     _refuse_writable_by_others(path)
-    if require_digests or (path / DIGESTS).exists():
+    if not verified and (require_digests or (path / DIGESTS).exists()):
         verify(path)
+    if no_dist is None:
+        no_dist = not torch.distributed.is_initialized()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "step": -1}
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not torch.distributed.is_initialized())
+        with _single_process_quietly():
+            dcp.load(state, checkpoint_id=path, no_dist=no_dist)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     # DCP's CheckpointException derives from BaseException: `except Exception` misses it
@@ -196,6 +331,17 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
         raise CheckpointError(f"{path} does not fit this model and optimizer (written for "
                               f"another --model?): {why}") from None
     return state["step"]
+
+
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled"
+
+
+@contextlib.contextmanager
+def _single_process_quietly() -> Iterator[None]:
+    """Asked to save or load as one process, DCP still warns that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        yield
 
 
 def _refuse_writable_by_others(path: Path) -> None:

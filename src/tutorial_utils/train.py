@@ -1,10 +1,16 @@
-"""Train a Wide-ResNet on CIFAR-10: one entry point for the CPU, one GPU, or N under torchrun.
+"""Train the Wide-ResNet on CIFAR-10 or the GPT on text: one entry point for the CPU, one GPU,
+or N under torchrun, with DDP, FSDP2, HSDP or (the GPT) FSDP2 x tensor parallelism.
 
     python -m tutorial_utils.train --epochs 10 --data cifar10-jpeg.tar.gz
     torchrun --standalone --nproc_per_node=2 -m tutorial_utils.train --epochs 10 ...
+    torchrun --standalone --nproc_per_node=4 -m tutorial_utils.train --model gpt \\
+        --strategy fsdp2 --tp 2 --batch 32 --schedule cosine --clip-norm 1.0 ...
 
 Rank 0 writes one JSON line per epoch to ``<out>/metrics.jsonl`` (after a first line with the
-configuration and the environment stamp) and a checkpoint to ``<out>/checkpoint.pt``.
+configuration and the environment stamp). Under DDP rank 0 writes a checkpoint to
+``<out>/checkpoint.pt``; under fsdp2 and hsdp every rank writes its shards to
+``<out>/checkpoints/step-N`` with DCP, in the background, and any number of processes can
+resume them.
 """
 
 from __future__ import annotations
@@ -21,12 +27,33 @@ from .checkpoint import CheckpointError
 from .config import ConfigError, parse, to_dict
 from .data import Cifar10, DataError, load_cifar10
 from .devices import NotEnoughGPUsError
+from .gpt_trainer import GPTTrainer
 from .jsonl import read_jsonl, rewrite_jsonl, write_jsonl
 from .parallel.distributed import DistContext, distributed
+from .parallel.strategy import check_layout
+from .text import Corpus, stdlib_corpus, synthetic_corpus
 from .trainer import Diverged, TrainConfig, Trainer
 
 
-def _load_data(cfg: TrainConfig, ctx: DistContext) -> Cifar10:
+def load_text(cfg: TrainConfig) -> Corpus:
+    """The GPT's text: the standard library's source (--data auto), or random bytes."""
+    if cfg.data == "synthetic":
+        return synthetic_corpus(seed=cfg.seed)
+    try:
+        return stdlib_corpus()
+    except FileNotFoundError as err:
+        raise DataError(f"--data auto: {err}") from None
+
+
+def make_trainer(cfg: TrainConfig, ctx: DistContext,
+                 data: Cifar10 | Corpus) -> Trainer | GPTTrainer:
+    """The trainer of ``cfg.model``."""
+    return (GPTTrainer if cfg.model == "gpt" else Trainer)(cfg, ctx, data)
+
+
+def _load_data(cfg: TrainConfig, ctx: DistContext) -> Cifar10 | Corpus:
+    if cfg.model == "gpt":
+        return load_text(cfg)
     if ctx.is_main:  # decode/download once; the others then read the cache
         data = load_cifar10(cfg.data, limit_per_class=cfg.limit_per_class)
     ctx.barrier()
@@ -65,8 +92,8 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
     asked, cfg = cfg, precision_here(cfg, ctx.device)
     _set_up_kernels(cfg, ctx)
     data = _load_data(cfg, ctx)
-    trainer = Trainer(cfg, ctx, data)
-    if cfg.resume and trainer.checkpoint_path.exists():
+    trainer = make_trainer(cfg, ctx, data)
+    if cfg.resume and trainer.has_checkpoint():
         trainer.restore()
     elif cfg.resume and ctx.is_main:  # a first attempt, or a mistyped --out: say which it is
         print(f"--resume: no {trainer.checkpoint_path} yet; training from epoch 1",
@@ -75,18 +102,24 @@ def run(cfg: TrainConfig, ctx: DistContext) -> list[dict]:
         print(f"--precision {asked.precision}: this CPU has no bf16 instructions (AVX512-BF16, "
               f"AMX) and would emulate them; training in {cfg.precision}", file=sys.stderr)
     with trainer.graph:  # a recorded graph is released before the process group goes
-        return _train(cfg, ctx, data, trainer)
+        records = _train(cfg, ctx, data, trainer)
+    trainer.close()  # a sharded save still being written: finished and committed
+    return records
 
 
-def _start_record(cfg: TrainConfig, ctx: DistContext, data: Cifar10, trainer: Trainer,
-                  warmup_s: float) -> dict:
+def _start_record(cfg: TrainConfig, ctx: DistContext, data: Cifar10 | Corpus,
+                  trainer: Trainer | GPTTrainer, warmup_s: float) -> dict:
     from .stamp import environment_stamp
 
-    return {"event": "start", "config": to_dict(cfg), "data": data.name,
-            "synthetic_data": data.synthetic, "world_size": ctx.world_size,
-            "per_gpu_batch": trainer.per_gpu, "global_batch": trainer.global_batch,
-            "peak_lr": cfg.peak_lr(ctx.world_size), "start_epoch": trainer.start_epoch,
-            "compile_warmup_s": warmup_s, "stamp": environment_stamp().as_dict()}
+    mesh = trainer.mesh
+    record = {"event": "start", "config": to_dict(cfg), "data": data.name,
+              "synthetic_data": data.name.startswith("synthetic"), "world_size": ctx.world_size,
+              "per_gpu_batch": trainer.per_gpu, "global_batch": trainer.global_batch,
+              "peak_lr": cfg.peak_lr(trainer.data_world), "start_epoch": trainer.start_epoch,
+              "compile_warmup_s": warmup_s, "stamp": environment_stamp().as_dict()}
+    if cfg.model != "wrn" or cfg.strategy != "ddp":  # DDP's Wide-ResNet records as before
+        record["mesh"] = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)) if mesh else None
+    return record
 
 
 def _keep_records_until(metrics: Path, epoch: int) -> float:
@@ -98,7 +131,23 @@ def _keep_records_until(metrics: Path, epoch: int) -> float:
     return next((r["train_time_s"] for r in reversed(kept) if r["event"] == "epoch"), 0.0)
 
 
-def _train(cfg: TrainConfig, ctx: DistContext, data: Cifar10, trainer: Trainer) -> list[dict]:
+def _metrics_line(cfg: TrainConfig, record: dict) -> str:
+    """What rank 0 prints of an epoch's record."""
+    epoch = f"epoch {record['epoch']:3d}/{cfg.epochs}  {record['epoch_time_s']:6.2f} s  "
+    if cfg.model == "gpt":
+        line = (f"{epoch}{record['tokens_per_s']:9.0f} tok/s  loss {record['train_loss']:.3f}  "
+                f"val {record['val_loss']:.3f}")
+    else:
+        line = (f"{epoch}{record['images_per_s']:8.0f} img/s  loss {record['train_loss']:.3f}  "
+                f"train {record['train_acc']:.2%}  test {record['test_acc']:.2%}")
+    if "save_stall_s" in record:  # what the asynchronous save held the loop, against a step
+        line += (f"  save {record['save_stall_s'] * 1e3:.1f} ms held "
+                 f"(a step {record['step_s'] * 1e3:.1f} ms)")
+    return line
+
+
+def _train(cfg: TrainConfig, ctx: DistContext, data: Cifar10 | Corpus,
+           trainer: Trainer | GPTTrainer) -> list[dict]:
     warmup_s = trainer.warm_up() if cfg.compile != "none" or cfg.step_graph else 0.0
     metrics, train_s = cfg.out / "metrics.jsonl", 0.0
     if ctx.is_main:
@@ -107,24 +156,28 @@ def _train(cfg: TrainConfig, ctx: DistContext, data: Cifar10, trainer: Trainer) 
         else:
             train_s = _keep_records_until(metrics, trainer.start_epoch)
         write_jsonl(metrics, [_start_record(cfg, ctx, data, trainer, warmup_s)])
-        if data.synthetic:
-            print(f"WARNING: training on {data.name} data, not CIFAR-10", file=sys.stderr)
+        if data.name.startswith("synthetic"):
+            real = "the standard library's source" if cfg.model == "gpt" else "CIFAR-10"
+            print(f"WARNING: training on {data.name} data, not {real}", file=sys.stderr)
     records, t0 = [], time.perf_counter()  # the clock starts after compilation
+    score = "val_loss" if cfg.model == "gpt" else "test_acc"
     for epoch in range(trainer.start_epoch, cfg.epochs):
         record = {"event": "epoch", "epoch": epoch + 1, **trainer.train_one_epoch(epoch),
-                  "test_acc": trainer.evaluate(), "lr": trainer.scheduler.get_last_lr()[0]}
+                  score: trainer.evaluate(), "lr": trainer.scheduler.get_last_lr()[0]}
         train_s += record["epoch_time_s"]
         # time to accuracy: training alone (all attempts), the wall clock with evaluation (this
         # attempt; rank 0's sums are the ones written)
         record |= {"train_time_s": train_s, "wall_s": time.perf_counter() - t0}
+        last = epoch + 1 == cfg.epochs
+        due = cfg.checkpoint_every and ((epoch + 1) % cfg.checkpoint_every == 0 or last)
+        if due and cfg.sharded:  # asynchronous: its record says what it held the loop
+            record |= {**trainer.save(epoch), "step_s": record["epoch_time_s"]
+                       / trainer.steps_per_epoch}
         records.append(record)
         if ctx.is_main:
             write_jsonl(metrics, [record])
-            print(f"epoch {epoch + 1:3d}/{cfg.epochs}  {record['epoch_time_s']:6.2f} s  "
-                  f"{record['images_per_s']:8.0f} img/s  loss {record['train_loss']:.3f}  "
-                  f"train {record['train_acc']:.2%}  test {record['test_acc']:.2%}", flush=True)
-        last = epoch + 1 == cfg.epochs
-        if cfg.checkpoint_every and ((epoch + 1) % cfg.checkpoint_every == 0 or last):
+            print(_metrics_line(cfg, record), flush=True)
+        if due and not cfg.sharded:
             trainer.save(epoch)  # every rank takes part: their random states are gathered
         ctx.barrier()  # nobody runs ahead while rank 0 writes the checkpoint
     return records
@@ -135,7 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse(TrainConfig, argv, prog)
         with distributed(cfg.device) as ctx:
-            cfg.batches(ctx.world_size)  # fail before loading anything
+            # fail before loading anything
+            check_layout(cfg.strategy, ctx.world_size, cfg.shard_size, cfg.tp)
+            cfg.batches(cfg.data_parallel(ctx.world_size))
             run(cfg, ctx)
     except (ConfigError, DataError, CheckpointError, NotEnoughGPUsError, Diverged) as err:
         # Every rank says its own error: one rank alone may hit it (a checkpoint without its

@@ -21,8 +21,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..models.wrn import BasicBlock, WideResNet
 from .distributed import DistContext
@@ -41,7 +41,8 @@ def wrn_units(model: WideResNet, units: Units) -> list[list[nn.Module]]:
 
 def shard(model: WideResNet, ctx: DistContext, *, units: Units = "group",
           reshard_after_forward: bool = True, prefetch: bool = False,
-          compile_blocks: bool = False) -> nn.Module:
+          compile_blocks: bool = False, mesh: DeviceMesh | None = None,
+          mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """FSDP2 for a WRN: a unit per group of residual blocks (or per block, or none), then the root.
 
     Units: each costs host time on every step (Python hooks around its forward and backward,
@@ -58,27 +59,29 @@ def shard(model: WideResNet, ctx: DistContext, *, units: Units = "group",
     when the CPU runs ahead of the GPU. ``compile_blocks`` compiles each block before it is
     sharded, so FSDP's hooks stay outside the compiled code.
 
-    Precision: none here. The caller runs bf16 autocast over the fp32 parameters, as it does
-    for DDP, so both compute the same thing. ``MixedPrecisionPolicy(param_dtype=bf16)``
+    Precision: ``mp_policy`` (default: none). The caller runs bf16 autocast over the fp32
+    parameters, as it does for DDP, so both compute the same thing. A bf16 ``param_dtype``
     would gather half the bytes (for WRN-28-10 on two GPUs, 73 MB less per step: a fraction
     of a millisecond over NVLink), but BatchNorm's weights and running statistics must stay
     fp32, i.e. 25 more units of their own. The cost of autocast: its bf16 copy of each weight
-    lives from forward to backward, unsharded (2 bytes per parameter).
+    lives from forward to backward, unsharded (2 bytes per parameter). ``mesh``: 1-D (FSDP2;
+    default: every process) or replicate x shard (HSDP).
     """
     if not dist.is_initialized():  # FSDP2 needs a process group (one process may form one)
         if compile_blocks:
             compile_blocks_of([model])
         return model
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = mesh if mesh is not None else init_device_mesh(ctx.device.type, (ctx.world_size,))
+    policy = mp_policy or MixedPrecisionPolicy()
     groups = wrn_units(model, units)
     for group in groups:
         if compile_blocks:
             compile_blocks_of(group)
         fully_shard(group if len(group) > 1 else group[0], mesh=mesh,
-                    reshard_after_forward=reshard_after_forward)
+                    reshard_after_forward=reshard_after_forward, mp_policy=policy)
     # The root's forward ends the forward pass and its backward starts the backward pass:
     # FSDP keeps its parameters gathered in between.
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     heads = [group[0] for group in groups]  # a list unit's state lives on its first module
     if prefetch and len(heads) > 1 and hasattr(heads[0], "set_modules_to_forward_prefetch"):
         for this, after in zip(heads, heads[1:], strict=False):

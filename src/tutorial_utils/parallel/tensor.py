@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -181,13 +181,19 @@ def tensor_parallel(model: GPT, mesh: DeviceMesh, sequence_parallel: bool = Fals
     return model
 
 
-def two_dimensional(model: GPT, mesh: DeviceMesh, **tp_options) -> GPT:
+def two_dimensional(model: GPT, mesh: DeviceMesh, *, mp_policy: MixedPrecisionPolicy | None = None,
+                    reshard_after_forward: bool = True, **tp_options) -> GPT:
     """Tensor parallelism over ``mesh["tp"]``, then FSDP2 over ``mesh["dp"]``: the usual order,
-    as FSDP shards the DTensors TP made. Each block is one FSDP unit, the rest the root's."""
+    as FSDP shards the DTensors TP made. Each block is one FSDP unit, the rest the root's.
+
+    ``mp_policy`` and ``reshard_after_forward`` go to ``fully_shard``; ``tp_options`` to
+    :func:`tensor_parallel`.
+    """
     tensor_parallel(model, mesh["tp"], **tp_options)
+    fsdp = {"mesh": mesh["dp"], "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for block in model.blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **fsdp)
+    fully_shard(model, **fsdp)
     return model
 
 
