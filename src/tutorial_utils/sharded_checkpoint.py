@@ -61,6 +61,9 @@ from .parallel.distributed import DistContext
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 DIGESTS = "digests.json"  # written last: a folder with it is complete
+# torch 2.11's DefaultStager copies a state once: its second stage() raises KeyError deep in
+# its deepcopy (2.14's does not), so there the saver makes a new one for every save
+STAGER_ONCE = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 14)
 
 
 def save_sharded(root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -141,8 +144,6 @@ class AsyncCheckpointer:
     """
 
     def __init__(self, root: Path, ctx: DistContext, asynchronous: bool = True) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
         self.root, self.ctx, self.asynchronous = root, ctx, asynchronous
         # every rank creates the group, in the same order: a collective call
         self.group = dist.new_group(backend="gloo") if ctx.is_distributed else None
@@ -150,16 +151,20 @@ class AsyncCheckpointer:
             # One process, no_dist=True: DCP still warns that it assumes one process, from
             # the writing thread, where a catch_warnings() around the call does not reach.
             warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
-        gpu = ctx.device.type == "cuda"
-        # pinned host memory and non-blocking copies on a GPU; the copy itself is done before
-        # async_save returns, so that the optimizer's next update cannot race it
-        self.stager = DefaultStager(StagingOptions(
-            use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=False,
-            use_non_blocking_copy=gpu))
+        self.stager = self._new_stager()
         self._upload: Future | None = None
         self._committed = threading.Event()
         self._committed.set()
         self._error: BaseException | None = None
+
+    def _new_stager(self):
+        """Pinned host memory and non-blocking copies on a GPU; the copy itself is done before
+        async_save returns, so that the optimizer's next update cannot race it."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        gpu = self.ctx.device.type == "cuda"
+        return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=gpu))
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              extra: Callable[[Path], None] | None = None) -> float:
@@ -170,6 +175,8 @@ class AsyncCheckpointer:
         """
         t0 = time.perf_counter()
         self.wait()  # the staging buffers are reused: the last save must be written
+        if STAGER_ONCE:  # torch 2.11's stager fails its second copy: one per save there
+            self.stager = self._new_stager()
         tmp = _fresh_folder(self.root, step, self.ctx)
         if self.ctx.is_main and extra is not None:
             extra(tmp)
