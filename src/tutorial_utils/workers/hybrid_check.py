@@ -35,6 +35,7 @@ from ..parallel.distributed import DistContext, distributed
 from ..parallel.gpt_pipeline import stage_parameter_names
 from ..parallel.hybrid import DIMS, Hybrid, MeshShape, build_hybrid, check_mesh
 from ..timing import benchmark
+from .gpt_pipeline import adamw, reference_run
 
 
 @dataclass
@@ -99,10 +100,6 @@ def _fits(cfg: HybridConfig) -> None:
                cfg.micro_batches, cfg.schedule)
 
 
-def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-
-
 def data(cfg: HybridConfig, device):
     g = torch.Generator().manual_seed(1)
     size = (cfg.batch, cfg.seq)
@@ -158,29 +155,12 @@ def per_rank(ctx: DistContext, value: float) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def reference(cfg: HybridConfig, batches, device) -> tuple[list[float], dict]:
-    from ..parallel.gpt_pipeline import reference_gpt
-
-    model = reference_gpt(cfg.model, device)
-    opt = adamw(model.parameters())
-    losses, grads = [], {}
-    for i, (x, y) in enumerate(batches):
-        loss = lm_loss(model(x), y)
-        loss.backward()
-        if i == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, grads
-
-
 def compare(cfg: HybridConfig, ctx: DistContext) -> HybridRow:
     batches = data(cfg, ctx.device)
     h = build_hybrid(cfg.model, cfg.shape, ctx.device, cfg.micro_batches, cfg.schedule)
     params = list(h.parameters())
     opt = adamw(params)
-    ref_losses, ref_grads = reference(cfg, batches, ctx.device)
+    ref_losses, ref_grads = reference_run(cfg, batches, ctx.device)  # one process
     losses, grad_diff, scale, grad_bytes = [], 0.0, 0.0, 0
     for i, (x, y) in enumerate(batches):
         losses.append(global_loss(ctx, h, train_step(h, x, y)))
