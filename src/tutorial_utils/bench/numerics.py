@@ -14,6 +14,7 @@ and :func:`summary` put the two side by side.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import Config, check, opt, parse_or_exit
@@ -24,7 +25,6 @@ from .report import table as text_table
 
 WORKER = "tutorial_utils.workers.numerics"
 BUGS: tuple[Bug, ...] = ("no-allreduce", "loss-scale", "skip-last-microbatch")
-ZERO = 1e-9  # where an exact zero difference is drawn on the log scale
 
 
 @dataclass
@@ -84,27 +84,30 @@ def table(rows: list[NumericsRow]) -> str:
 
 
 def figure(rows: list[NumericsRow]):
-    """Left: every loss curve, overlaid. Right: |loss - one process's| per step, log scale;
-    the correct strategies solid, the planted bugs dashed."""
+    """Left: every loss curve, overlaid. Right: |loss - one process's| per step, log scale:
+    the correct strategies as points (none where the losses are equal), the planted bugs as
+    dashed lines, and the spacing of fp32 numbers near the final loss (one rounding)."""
     import matplotlib.pyplot as plt
+    import numpy as np
 
     one = _one(rows)
     fig, (curves, diffs) = plt.subplots(1, 2, figsize=(10, 3.6))
-    steps = range(1, len(one.losses) + 1)
+    steps = np.arange(1, len(one.losses) + 1)
     for r in rows:
-        style = "--" if r.bug != "none" else "-"
-        curves.plot(steps, r.losses, style, lw=1, label=r.run)
+        bug = r.bug != "none"
+        line = curves.plot(steps, r.losses, "--" if bug else "-", lw=1, label=r.run)[0]
         if r is not one:
-            diffs.plot(steps, [max(d, ZERO) for d in differences(r, one)], style, lw=1,
-                       label=r.run)
+            d = np.array(differences(r, one))
+            shown = d > 0  # an exact zero has no place on a log scale
+            diffs.plot(steps[shown], d[shown], "--" if bug else ".", lw=1, ms=3,
+                       color=line.get_color(), label=r.run)
+    rounding = float(np.spacing(np.float32(one.losses[-1])))
+    diffs.axhline(rounding, color="grey", lw=0.8, ls=":", label="one fp32 rounding")
     curves.set(xlabel="step", ylabel="training loss (nats per byte)")
-    diffs.set(xlabel="step", yscale="log", ylabel="|loss - one process's loss|",
-              ylim=(ZERO / 2, None))
-    diffs.annotate(f"equal: drawn at {ZERO:g}", (0.02, 0.02), xycoords="axes fraction",
-                   fontsize=7, color="grey")
+    diffs.set(xlabel="step", yscale="log", ylabel="|loss - one process's loss|")
     legend_outside(diffs)
     fig.suptitle("The GPT on CPU processes, fp32: each strategy and each planted bug against "
-                 "one process", fontsize=9)
+                 "one process (no point: equal)", fontsize=9)
     fig.tight_layout()
     return fig
 
@@ -126,7 +129,7 @@ def summary(rows: list[NumericsRow]) -> dict[str, float | str]:
         low = min(bugs, key=bugs.get)
         out |= {"bug_min": bugs[low], "bug_min_run": low}
     if correct and bugs:
-        out["ratio"] = bugs[low] / max(correct[top], ZERO)
+        out["ratio"] = bugs[low] / correct[top] if correct[top] else math.inf
     return out
 
 
