@@ -4,11 +4,12 @@
 
 The same GPT, seed and global batches train for ``--steps`` steps on one process, then under
 DDP (2 processes), FSDP2 (2), HSDP (4, 2 x 2), tensor parallelism (2) and FSDP2 x TP (4,
-2 x 2), in two launches of :mod:`tutorial_utils.workers.numerics` on CPU processes, in fp32. A
-correct strategy does the same arithmetic in another order: its losses differ from one
-process's by a few roundings. Then DDP with a planted bug (the worker's ``--bug``: no
-all-reduce, a wrong loss scale, a rank whose last micro-batch misses the all-reduce) shows
-what a mistake does: a difference orders of magnitude larger. :func:`table`, :func:`figure`
+2 x 2), in two launches of :mod:`tutorial_utils.workers.numerics` on CPU processes (gloo),
+in fp32 on one thread each, so that every run is repeatable bit for bit. A correct strategy
+does the same arithmetic in another order: its losses differ from one process's by a few
+roundings. Then DDP with a planted bug (the worker's ``--bugs``: no all-reduce, a wrong loss
+scale, a rank whose last micro-batch misses the all-reduce) shows what a mistake does: a
+difference orders of magnitude larger. :func:`table`, :func:`figure`
 and :func:`summary` put the two side by side.
 """
 

@@ -201,6 +201,7 @@ def run_all(cfg: NumericsConfig, ctx: DistContext, text: Corpus) -> list[Numeric
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_or_exit(NumericsConfig, argv, __spec__.name, machine=_fits)
     text = stdlib_corpus(cfg.text_bytes)
+    torch.set_num_threads(1)  # each sum in one fixed order: a run repeats bit for bit
     with distributed("cpu") as ctx:
         rows = run_all(cfg, ctx, text)
         if ctx.is_main:
