@@ -8,6 +8,7 @@ TP (measured: 1e-5 and 6e-5).
 """
 
 import difflib
+import itertools
 import json
 import subprocess
 import sys
@@ -43,7 +44,7 @@ def test_every_version_trains_as_one_device_does(one_device, tmp_path, version, 
 
 
 def test_each_version_is_a_small_change_of_the_one_before():
-    for before, after in zip(VERSIONS, VERSIONS[1:]):
+    for before, after in itertools.pairwise(VERSIONS):
         old = (WORKERS / f"{before}.py").read_text().splitlines()
         new = (WORKERS / f"{after}.py").read_text().splitlines()
         changed = [line for line in difflib.unified_diff(old, new, lineterm="", n=0)

@@ -220,9 +220,11 @@ def bubble_figure(rows: list[ScheduleRow], title: str):
                 continue
             ms = [r.micro_batches for r in mine]
             color = f"C{i}"
-            ax.plot(ms, [r.bubble_predicted for r in mine], "-", color=color, label=schedule)
+            # GPipe's prediction is 1F1B's: dashed, so that the line beneath shows
+            ax.plot(ms, [r.bubble_predicted for r in mine], "--" if schedule == "gpipe" else "-",
+                    color=color, label=schedule)
             ax.plot(ms, [r.bubble_measured for r in mine], "o", color=color)
-        ax.set(xscale="log", xlabel="micro-batches m", title=f"{p} processes")
+        ax.set(xlabel="micro-batches m", title=f"{p} processes")
         ax.set_xticks(ms, [str(m) for m in ms])
     axes[0][0].set_ylabel("bubble: idle fraction of the step")
     axes[0][0].legend(fontsize=8, title="line: predicted, dots: measured", title_fontsize=8)
