@@ -31,7 +31,7 @@ def dispatch_table(rows: list[EPRow]) -> str:
     width = max([len(r["per_expert"]) for r in lines] + [19]) + 2
     return table(lines, (
         Column("world", "ranks", width=6), Column("experts", "experts", width=8),
-        Column("top_k", "top-k", width=6), Column("tokens", "tokens, all ranks", width=18),
+        Column("top_k", "top-k", width=6), Column("tokens", "all tokens", width=11),
         Column("per_expert", "  tokens per expert", width=width, left=True),
-        Column("imbalance", "max/mean", ".2f", 10), Column("kib", "KiB sent/rank", ".1f", 15),
+        Column("imbalance", "max/mean", ".2f", 9), Column("kib", "KiB sent/rank", ".1f", 14),
         Column("kib_even", "if even", ".1f", 9), Column("worst", "largest diff", ".1e", 14)))

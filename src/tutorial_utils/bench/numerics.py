@@ -70,11 +70,11 @@ def _view(row: NumericsRow, one: NumericsRow) -> dict:
             "seconds": row.seconds}
 
 
-COLUMNS = (Column("run", "run", width=30, left=True), Column("nproc", "processes", "d", 10),
+COLUMNS = (Column("run", "run", width=26, left=True), Column("nproc", "procs", "d", 6),
            Column("loss_diff", "max |loss diff|", ".1e", 16),
            Column("at_step", "at step", "d", 8), Column("final_loss", "final loss", ".4f", 11),
            Column("weight_diff", "max |weight diff|", ".1e", 18),
-           Column("seconds", "steps s", ".1f", 8))
+           Column("seconds", "time s", ".1f", 8))
 
 
 def table(rows: list[NumericsRow]) -> str:
