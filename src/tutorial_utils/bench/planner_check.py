@@ -77,12 +77,12 @@ def error_figure(rows: Sequence[planner.ErrorRow], title: str):
     measured = [r.measured_ms for r in rows]
     predicted = [r.predicted_ms for r in rows]
     ax.scatter(measured, predicted, s=18)
-    lo, hi = min(measured + predicted) * 0.8, max(measured + predicted) * 1.25
-    ax.plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    hi = max(measured + predicted) * 1.15
+    ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
     for k in (0.75, 1.25):
-        ax.plot([lo, hi], [k * lo, k * hi], color="grey", lw=0.6, ls=":")
-    ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="measured step (ms)",
-           ylabel="predicted step (ms)", title=title)
+        ax.plot([0, hi], [0, k * hi], color="grey", lw=0.6, ls=":")
+    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="measured step (ms)", ylabel="predicted step (ms)",
+           title=title)
     fig.tight_layout()
     return fig
 
@@ -146,13 +146,14 @@ def plan_figure(plans: Sequence[planner.Plan], hw: planner.Hardware, title: str)
     gib = 2**30
     for fits, marker in ((True, "o"), (False, "x")):
         mine = [p for p in plans if p.fits == fits]
-        ax.scatter([p.memory.total / gib for p in mine], [p.step_ms for p in mine], s=22,
-                   marker=marker, label="fits" if fits else "does not fit")
+        if mine:  # no empty legend entry when every layout fits
+            ax.scatter([p.memory.total / gib for p in mine], [p.step_ms / 1e3 for p in mine],
+                       s=22, marker=marker, label="fits" if fits else "does not fit")
     ax.axvline(hw.memory_bytes * hw.usable / gib, color="grey", lw=0.8, ls="--")
-    ax.annotate(str(chosen.layout), (chosen.memory.total / gib, chosen.step_ms),
+    ax.annotate(str(chosen.layout), (chosen.memory.total / gib, chosen.step_ms / 1e3),
                 textcoords="offset points", xytext=(8, -4), fontsize=8)
-    ax.set(xscale="log", yscale="log", xlabel="memory per GPU (GiB, most loaded stage)",
-           ylabel="predicted step (ms)", title=title)
+    ax.set(xlim=(0, None), xlabel="memory per GPU (GiB, most loaded stage)",
+           ylabel="predicted step (s)", title=title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
@@ -217,3 +218,17 @@ def hybrid_table(configs: Sequence, rows: Sequence) -> str:
         Column("mesh", "mesh", width=22, left=True), Column("steps", "steps", width=6),
         Column("loss_diff", "loss diff", ".0e", 10), Column("grad_diff", "grad diff", ".0e", 10),
         Column("params", "params per rank", width=17), Column("bytes", "bytes per rank", width=17)))
+
+
+def plan_summary(plans: Sequence[planner.Plan], model: planner.ModelShape) -> dict:
+    """Chapter 8's glue for the plans of one model: the layout chosen, how many fit, the
+    compute's share of the chosen step, how much slower the slowest fitting layout is, and the
+    range of memory per GPU."""
+    chosen, fitting = planner.best(plans), [p for p in plans if p.fits]
+    gib = 2**30
+    return {"plan_chosen": str(chosen.layout), "plan_n": len(plans), "plan_fits": len(fitting),
+            "plan_params": f"{model.params / 1e9:.1f}",
+            "plan_spread": f"{100 * (max(p.step_ms for p in fitting) / chosen.step_ms - 1):.0f}",
+            "plan_compute": f"{100 * chosen.time.compute / chosen.time.total:.0f}",
+            "plan_mem_min": f"{min(p.memory.total for p in plans) / gib:.0f}",
+            "plan_mem_max": f"{max(p.memory.total for p in plans) / gib:.0f}"}
