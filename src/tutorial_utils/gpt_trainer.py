@@ -23,7 +23,6 @@ from .models.gpt import GPT, lm_loss
 from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
 from .parallel.strategy import (
-    accumulate_gradients,
     build_mesh,
     clip_gradients,
     data_parallel_rank,
@@ -31,7 +30,7 @@ from .parallel.strategy import (
     wrap_gpt,
 )
 from .sharded_checkpoint import AsyncCheckpointer
-from .step import AUTOCAST
+from .step import AUTOCAST, accumulate_gradients
 from .text import Corpus, batch
 from .timing import synchronize
 from .trainer import CRASH_ENV, CheckpointedRun, Diverged, TrainConfig, lr_factor

@@ -42,7 +42,6 @@ from .parallel.ddp import compile_for_ddp, ddp
 from .parallel.distributed import DistContext, all_reduce_sum
 from .parallel.strategy import (
     SHARDED,
-    accumulate_gradients,
     broadcast_buffers,
     build_mesh,
     clip_gradients,
@@ -50,7 +49,7 @@ from .parallel.strategy import (
     wrap_wrn,
 )
 from .sharded_checkpoint import AsyncCheckpointer, latest_checkpoint, load_sharded, verify
-from .step import AUTOCAST, accumulate, forward_loss, predict
+from .step import AUTOCAST, accumulate, predict
 from .step_graph import StepGraph
 from .timing import synchronize
 
@@ -699,15 +698,9 @@ class Trainer(CheckpointedRun):
 
     def _forward_backward(self, x: torch.Tensor,
                           y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        if not cfg.sharded:
-            return accumulate(self.model, x, y, cfg.grad_accum, cfg.precision,
-                              cfg.label_smoothing, self.scaler.scale)
-        outs, loss = accumulate_gradients(  # FSDP2: reduce-scatter in the last backward only
-            self.model, x, y, cfg.grad_accum,
-            lambda xi, yi: forward_loss(self.model, xi, yi, cfg.precision, cfg.label_smoothing),
-            self.scaler.scale)
-        return torch.cat(outs), loss
+        cfg = self.cfg  # DDP's all-reduce, FSDP2's reduce-scatter: in the last backward only
+        return accumulate(self.model, x, y, cfg.grad_accum, cfg.precision,
+                          cfg.label_smoothing, self.scaler.scale)
 
     def warm_up(self, steps: int = 3) -> float:
         """Compile the step (and record its CUDA graph) before the clock starts; seconds taken.

@@ -84,11 +84,13 @@ def measured(cfg: ContextConfig) -> tuple[list[CPStepRow], records.Source]:
 def step_table(rows: list[CPStepRow], step: ContextConfig | CPStepConfig | None = None,
                gpu: str | None = None) -> str:
     """Per mode and sequence length: the step, memory, and with ``step`` (the run's sizes) the
-    MFU of causal attention's model FLOPs on the ``world`` GPUs named ``gpu`` (None: CPU
-    processes, "-"); then what MFU divides by."""
+    MFU of causal attention's model FLOPs on the ``world`` GPUs named ``gpu`` (one GPU for a
+    one-process row, which computes the whole sequence on each rank; None: CPU processes,
+    "-"); then what MFU divides by."""
     out = [dataclasses.asdict(r) | {"note": "  out of memory" if r.oom else "", "mfu": (
         mfu.mfu(mfu.causal_attention_flops(step.batch, step.heads, r.seq, step.head_dim),
-                r.step_ms, gpu, r.world) if step else None)} for r in rows]
+                r.step_ms, gpu, 1 if r.mode == "one-process" else r.world)
+        if step else None)} for r in rows]
     lines = table(out, (
         Column("mode", "mode", width=18, left=True), Column("world", "ranks", width=6),
         Column("seq", "seq", width=8), Column("step_ms", "fwd+bwd ms", ".2f", 12), mfu.COLUMN,

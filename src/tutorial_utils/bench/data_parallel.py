@@ -166,7 +166,7 @@ def row_mfu(r: Row, model: str, gpu: str | None) -> float | None:
     """The MFU of a row's step (its images/s on its GPUs), or None (no GPU, not measured)."""
     if r.images_per_s is None or r.name.startswith("CPU"):
         return None
-    return mfu.of_rate(r.images_per_s * mfu.wrn_step_flops(model, 1), gpu, r.gpus)
+    return mfu.wrn_images(r.images_per_s, model, gpu, r.gpus)
 
 
 def table_of(rows: list[Row], model: str = "wrn-28-10", gpu: str | None = None) -> str:

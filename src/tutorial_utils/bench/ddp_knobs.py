@@ -116,7 +116,7 @@ def row_mfu(r: KnobsRow, gpu: str | None) -> float | None:
     """The MFU of a setting's step on its ``world_size`` GPUs named ``gpu`` (None on CPUs)."""
     if not r.device.startswith("cuda") or not r.images_per_s:
         return None
-    return mfu.of_rate(r.images_per_s * mfu.wrn_step_flops(r.model, 1), gpu, r.world_size)
+    return mfu.wrn_images(r.images_per_s, r.model, gpu, r.world_size)
 
 
 def cost_table(rows: list[KnobsRow], gpu: str | None = None) -> str:

@@ -239,9 +239,8 @@ def run_mfu(run: TrainingRun) -> float | None:
     later = [e.get("images_per_s") for e in run.epochs[1:]] or [run.epochs[0].get("images_per_s")]
     if cfg.get("device") == "cpu" or None in later:
         return None
-    per_image = mfu.wrn_step_flops(f"wrn-{cfg['depth']}-{cfg['width']}", 1)
-    return mfu.of_rate(statistics.median(later) * per_image, mfu.gpu_of(run.start.get("stamp")),
-                       run.processes)
+    return mfu.wrn_images(statistics.median(later), f"wrn-{cfg['depth']}-{cfg['width']}",
+                          mfu.gpu_of(run.start.get("stamp")), run.processes)
 
 
 def scaling_summary(runs: list[TrainingRun]) -> dict[str, float | int | str]:

@@ -145,6 +145,15 @@ def wrn_step_flops(model: str, batch: int) -> float:
     return float(counter.get_total_flops())
 
 
+def wrn_images(images_per_s: float | None, model: str, gpu: str | None,
+               gpus: int = 1) -> float | None:
+    """MFU of ``gpus`` GPUs named ``gpu`` training ``images_per_s`` images per second of the
+    Wide-ResNet ``model`` together. None where unknown."""
+    if images_per_s is None:
+        return None
+    return of_rate(images_per_s * wrn_step_flops(model, 1), gpu, gpus)
+
+
 @functools.lru_cache(maxsize=16)
 def _gpt_params(cfg) -> int:
     """The parameters one token uses: all of a dense GPT's; with experts, each block's router

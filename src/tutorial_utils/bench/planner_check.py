@@ -188,20 +188,19 @@ def cpu_machine(processes: int, cfg, sequences: int) -> tuple[planner.Hardware, 
 MESHES = ((2, 2, 1, 2), (1, 2, 2, 2))
 
 
-def hybrid_rows(device: str = "cpu", meshes=MESHES, repeats: int = 2):
+def hybrid_rows(device: str = "cpu", meshes=MESHES) -> list:
     """:mod:`tutorial_utils.workers.hybrid_check` on each mesh (8 processes for the default
-    ones): the configurations and their rows, the step timed ``repeats`` times."""
+    ones): its rows, each against one process."""
     from ..launch import run_worker
     from ..workers.hybrid_check import HybridConfig, HybridRow
 
-    configs = [HybridConfig(dp=dp, pp=pp, cp=cp, tp=tp, repeats=repeats, device=device)
+    configs = [HybridConfig(dp=dp, pp=pp, cp=cp, tp=tp, device=device)
                for dp, pp, cp, tp in meshes]
-    rows = [run_worker("tutorial_utils.workers.hybrid_check", c, nproc=c.shape.size,
+    return [run_worker("tutorial_utils.workers.hybrid_check", c, nproc=c.shape.size,
                        timeout_s=600, row_type=HybridRow)[0] for c in configs]
-    return configs, rows
 
 
-def hybrid_table(configs: Sequence, rows: Sequence) -> str:
+def hybrid_table(rows: Sequence) -> str:
     """Per mesh: the largest differences from one process over its steps, and the range of
     parameter values and bytes (weights, gradients, AdamW's moments) a rank holds."""
     def span(values) -> str:

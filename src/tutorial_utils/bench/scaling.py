@@ -285,7 +285,7 @@ COLUMNS = (Column("regime", "regime", width=7, left=True),
 
 def run_mfu(r: Run, model: str, gpu: str | None) -> float | None:
     """The MFU of a run's step on its GPUs (None where no GPU measured)."""
-    return mfu.of_rate(r.images_per_s * mfu.wrn_step_flops(model, 1), gpu, r.gpus)
+    return mfu.wrn_images(r.images_per_s, model, gpu, r.gpus)
 
 
 def table_of(runs: list[Run], model: str = "wrn-28-10", gpu: str | None = None) -> str:

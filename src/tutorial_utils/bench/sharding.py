@@ -142,7 +142,7 @@ def row_mfu(row: FsdpRow, gpu: str | None) -> float | None:
     """The MFU of a row's step on its ``world_size`` GPUs named ``gpu`` (None on CPUs)."""
     if not row.device.startswith("cuda") or row.images_per_s is None:
         return None
-    return mfu.of_rate(row.images_per_s * mfu.wrn_step_flops(row.model, 1), gpu, row.world_size)
+    return mfu.wrn_images(row.images_per_s, row.model, gpu, row.world_size)
 
 
 def host_bound(row: FsdpRow) -> bool:

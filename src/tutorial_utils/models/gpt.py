@@ -183,10 +183,7 @@ class GPT(nn.Module):
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2: residual branches scaled down with depth
-            mlps = [m for m in block.mlp.modules() if isinstance(m, MLP)]  # one, or the experts
-            for out in (block.attn.o, *(m.proj for m in mlps)):
-                nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * cfg.layers))
+        scale_residuals(self, cfg.layers)
 
     @staticmethod
     def _init(m: nn.Module) -> None:
@@ -208,6 +205,16 @@ class GPT(nn.Module):
         # a dense MLP has none; a mixture, whole or spread over ranks, has its last one
         return sum((b.mlp.balance_loss for b in self.blocks if hasattr(b.mlp, "balance_loss")),
                    torch.zeros(()))
+
+
+def scale_residuals(module: nn.Module, layers: int) -> None:
+    """GPT-2's rule, on every block in ``module``: the layers that write into the residual
+    stream (attention's ``o``, each MLP's ``proj``, an expert's too) drawn with a standard
+    deviation scaled down with depth."""
+    for m in module.modules():
+        out = m.o if isinstance(m, Attention) else m.proj if isinstance(m, MLP) else None
+        if out is not None:
+            nn.init.normal_(out.weight, std=0.02 / math.sqrt(2 * layers))
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

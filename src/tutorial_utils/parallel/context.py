@@ -37,9 +37,10 @@ early and one late: every rank then computes the same number of chunk pairs, 2N 
 
 - :func:`ring_attention`: the ring, by hand; :func:`gathered_attention`: the naive route, each
   rank gathers all the keys and values (one collective, N times the memory);
-- :func:`pytorch_ring`: PyTorch's ``context_parallel`` (experimental), the same ring on GPUs
-  with SDPA's flash or efficient kernels, zig-zag included. Use it (torchtitan wraps it) in
-  practice; the hand-written ring shows what it does.
+- :func:`pytorch_ring`: PyTorch's ``context_parallel`` (experimental) on GPUs, around SDPA's
+  flash or efficient kernels, zig-zag included; it exchanges keys and values by all-gather by
+  default, or around a ring after ``set_rotate_method("alltoall")``. Use it (torchtitan wraps
+  it) in practice; the hand-written ring shows what it does.
 """
 
 from __future__ import annotations
@@ -277,9 +278,10 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, zigzag
 @contextlib.contextmanager
 def pytorch_ring(mesh, seq: int, device: torch.device) -> Iterator[None]:
     """Inside, causal SDPA on this rank's shards (:func:`shard` with ``zigzag=True``) is
-    PyTorch's ring attention: run forward and backward inside.
+    PyTorch's context-parallel attention: run forward and backward inside.
 
-    ``context_parallel`` (experimental) swaps SDPA for its ring on the 1-D ``mesh`` and
+    ``context_parallel`` (experimental) swaps SDPA for its own on the 1-D ``mesh`` (keys and
+    values all-gathered by default, passed around a ring with ``alltoall`` rotation) and
     shards, in place along the sequence, the buffers it is given (a training loop gives it the
     batch's tokens and targets); from them it learns the sequence's length and balances the
     causal work by the same zig-zag. Here a buffer of ``seq`` placeholders stands for them.

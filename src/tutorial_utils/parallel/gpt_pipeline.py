@@ -43,7 +43,6 @@ The predictions the chapter measures against:
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 import weakref
 from collections.abc import Iterator, Sequence
@@ -60,7 +59,7 @@ from torch.distributed.pipelining import (
 )
 
 from ..config import ConfigError
-from ..models.gpt import GPT, GPTConfig, lm_loss
+from ..models.gpt import GPT, GPTConfig, lm_loss, scale_residuals
 
 # name -> (torch's schedule class, stages per process, how stages are dealt to processes)
 SCHEDULES = {
@@ -181,10 +180,7 @@ def init_unit(unit: nn.Module, index: int, cfg: GPTConfig, seed: int = 0) -> Non
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
         unit.apply(GPT._init)
-        for name in ("attn.o", "mlp.proj"):
-            with contextlib.suppress(AttributeError):
-                nn.init.normal_(unit.get_submodule(name).weight,
-                                std=0.02 / math.sqrt(2 * cfg.layers))
+        scale_residuals(unit, cfg.layers)
 
 
 def _units(model: GPT) -> list[nn.Module]:

@@ -52,7 +52,13 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from ..config import ConfigError
 from ..models.gpt import GPTConfig
 from .context import positions, shard, split_sequence
-from .gpt_pipeline import GPTStage, Pipeline, build_pipeline, check_pipeline
+from .gpt_pipeline import (
+    GPTStage,
+    Pipeline,
+    build_pipeline,
+    build_stage_module,
+    check_pipeline,
+)
 from .tensor import block_plan
 
 DIMS = ("dp", "pp", "cp", "tp")  # the mesh's dimensions, outermost first
@@ -197,8 +203,6 @@ def build_hybrid(cfg: GPTConfig, shape: MeshShape, device: torch.device, micro_b
         return stage
 
     if shape.pp == 1:
-        from .gpt_pipeline import build_stage_module
-
         module = wrap(build_stage_module(cfg, 0, 1, device, seed))
         return Hybrid(shape, mesh, None, module, coords)
     pipe = build_pipeline(cfg, schedule, coords["pp"], shape.pp, micro_batches, device,

@@ -9,8 +9,9 @@ each a short function:
 - :func:`wrap_gpt` and :func:`wrap_wrn`: DDP, or ``fully_shard`` on each block (each group of
   residual blocks) and then the root, with a :class:`MixedPrecisionPolicy`; for the GPT with
   ``--tp``, :func:`~tutorial_utils.parallel.tensor.two_dimensional`;
-- :func:`accumulate_gradients`: a batch as micro-batches, the gradients reduced once, on the last
-  (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync(False)``);
+- gradient accumulation is :func:`tutorial_utils.step.accumulate_gradients`: a batch as
+  micro-batches, the gradients reduced once, on the last (DDP's ``no_sync``, FSDP2's
+  ``set_requires_gradient_sync(False)``);
 - :func:`clip_gradients`: the global gradient norm over every shard;
 - :func:`broadcast_buffers`: rank 0's BatchNorm statistics to every rank (DDP does it at each
   forward; FSDP2 shards parameters only and leaves each rank its own buffers).
@@ -22,18 +23,15 @@ job of another size can resume them.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from ..config import ConfigError
 from .ddp import ddp
@@ -124,45 +122,6 @@ def wrap_wrn(net: nn.Module, ctx: DistContext, mesh: DeviceMesh | None, *,
         return net
     return shard(net, ctx, mesh=mesh, mp_policy=policy,
                  reshard_after_forward=reshard_after_forward)
-
-
-@contextlib.contextmanager
-def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Reduce the gradients in this backward (``enabled``) or only accumulate them locally."""
-    if enabled:
-        yield
-    elif isinstance(model, DistributedDataParallel):
-        with model.no_sync():
-            yield
-    elif isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)  # every unit below it too
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:  # one process: nothing to reduce
-        yield
-
-
-def accumulate_gradients(model: nn.Module, x: torch.Tensor, y: torch.Tensor, k: int,
-               forward_loss: Callable[[torch.Tensor, torch.Tensor], tuple],
-               scale: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
-               ) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Forward and backward of ``(x, y)`` as ``k`` micro-batches; the gradients are those of the
-    mean loss over the whole batch, reduced across ranks once, in the last backward.
-
-    ``forward_loss(x, y)`` returns (outputs or None, loss); the outputs, detached, and the
-    mean loss are returned.
-    """
-    outs, losses = [], []
-    for i, (xi, yi) in enumerate(zip(x.chunk(k), y.chunk(k), strict=True)):
-        with gradient_sync(model, enabled=i == k - 1):
-            out, loss = forward_loss(xi, yi)
-            scale(loss / k).backward()
-        if out is not None:
-            outs.append(out.detach())
-        losses.append(loss.detach())
-    return outs, torch.stack(losses).mean()
 
 
 def clip_gradients(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:

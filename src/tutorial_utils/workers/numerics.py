@@ -31,7 +31,8 @@ from ..config import Config, check, opt, parse_or_exit
 from ..gpt_trainer import GPTTrainer
 from ..jsonl import write_jsonl
 from ..parallel.distributed import DistContext, distributed
-from ..parallel.strategy import clip_gradients, gradient_sync
+from ..parallel.strategy import clip_gradients
+from ..step import gradient_sync
 from ..text import Corpus, stdlib_corpus
 from ..trainer import TrainConfig
 
